@@ -1,0 +1,63 @@
+# azqemu: the two commands that matter are `make demo` and `make test` (see README.md).
+# Both work on a fresh Debian 12 machine as root: they install what is missing (apt packages,
+# the venv, the userfaultfd export library, the guest image), start virtlogd/libvirtd, and run.
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+AZQ := $(VENV)/bin/azq
+APT_PACKAGES := qemu-system-x86 qemu-utils libvirt-daemon-system libvirt-clients libvirt-dev \
+	pkg-config debootstrap e2fsprogs busybox-static cpio kmod zstd xz-utils gcc make \
+	python3-venv liblzo2-dev util-linux iproute2 procps
+PYTEST_ARGS ?=
+
+.PHONY: all deps venv lib image host test unit integration lint demo clean
+
+all: venv lib
+
+deps: .deps.stamp
+.deps.stamp: Makefile
+	@missing=$$(for p in $(APT_PACKAGES); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q 'install ok installed' || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		echo "installing: $$missing"; \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing; \
+	fi
+	@touch $@
+
+venv: $(VENV)/.stamp
+$(VENV)/.stamp: pyproject.toml .deps.stamp
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $@
+
+lib: qemu-patches/libazq_uffd.so
+qemu-patches/libazq_uffd.so: qemu-patches/azq_uffd.c .deps.stamp
+	gcc -O2 -Wall -Wextra -fPIC -shared -pthread -o $@ $<
+
+image: venv
+	$(AZQ) image build
+
+host: image
+	$(AZQ) host setup
+	$(AZQ) doctor
+
+unit: venv lib
+	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
+
+lint: venv
+	$(VENV)/bin/ruff check azqemu tests
+	$(VENV)/bin/mypy azqemu
+
+integration: host lib
+	$(PY) -m pytest -q tests/integration $(PYTEST_ARGS)
+
+test: host lib lint
+	$(PY) -m pytest -q tests/unit tests/integration $(PYTEST_ARGS)
+
+demo: host lib
+	$(AZQ) demo
+
+clean:
+	rm -rf $(VENV) .deps.stamp qemu-patches/libazq_uffd.so

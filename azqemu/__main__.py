@@ -1,0 +1,3 @@
+from azqemu.cli import main
+
+main()

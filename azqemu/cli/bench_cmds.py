@@ -1,0 +1,10 @@
+"""`azq bench` commands."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.group()
+def bench() -> None:
+    """bench commands."""

@@ -1,0 +1,43 @@
+"""``azq doctor`` and ``azq host setup``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict
+
+import click
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the checks as JSON.")
+def doctor(as_json: bool) -> None:
+    """Report what this host can do (KVM, libvirtd, userfaultfd, zram, zswap, KSM)."""
+    from azqemu.doctor import FAIL, run_checks
+
+    checks = run_checks()
+    if as_json:
+        click.echo(json.dumps([asdict(c) for c in checks], indent=2))
+    else:
+        for c in checks:
+            line = f"{c.verdict.upper():4}  {c.name:12} {c.detail}"
+            if c.advice:
+                line += f"  -> {c.advice}"
+            click.echo(line)
+    sys.exit(1 if any(c.verdict == FAIL for c in checks) else 0)
+
+
+@click.group()
+def host() -> None:
+    """Host set-up (libvirt configuration and daemons)."""
+
+
+@host.command("setup")
+@click.option("--restart", is_flag=True, help="Restart libvirtd even if it runs.")
+def setup(restart: bool) -> None:
+    """Configure libvirt and start virtlogd/libvirtd (with /dev/kvm hidden where KVM is unusable)."""
+    from azqemu.doctor import _guest_kernel
+    from azqemu.hostsetup import setup_host
+
+    done = setup_host(restart=restart, kernel=_guest_kernel())
+    click.echo("; ".join(done) if done else "host already set up")

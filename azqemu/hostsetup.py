@@ -1,0 +1,159 @@
+"""Host set-up: libvirt's configuration and daemons, started the way this kind of host needs.
+
+There is no systemd on the machines azqemu is developed on, so virtlogd and libvirtd are
+started here when they are not running. When /dev/kvm exists but cannot run guests, libvirtd
+probes it at every domain start and each start then takes ~72 s; libvirtd is then started in a
+private mount namespace where /dev/kvm is hidden behind an empty file, and QEMU's own mount
+namespace is turned off (``namespaces = [ ]``) so that domains start in ~0.35 s under TCG.
+Where KVM works, libvirtd starts plainly and domains use it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+
+from azqemu import config as config_mod
+from azqemu.errors import HostError, LibvirtUnavailable, NotRoot
+from azqemu.kvm_probe import KvmVerdict, probe_kvm
+
+log = logging.getLogger(__name__)
+
+QEMU_CONF = Path("/etc/libvirt/qemu.conf")
+CONF_MARK = "# --- azqemu (managed block) ---"
+CONF_BLOCK = f"""{CONF_MARK}
+# QEMU's per-domain mount namespace is off: azqemu passes sockets and RAM files by path.
+namespaces = [ ]
+# --- end azqemu ---
+"""
+HIDDEN_KVM_FILE = Path("/run/azqemu/empty-kvm")
+LIBVIRTD_START_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    """What the rest of azqemu must know about the host, found once by probing."""
+
+    kvm: KvmVerdict
+    accel: str           # "kvm" or "tcg"
+    libvirt_type: str    # libvirt domain type: "kvm" or "qemu"
+
+
+def facts_path() -> Path:
+    return config_mod.load().run_dir / "host.json"
+
+
+def detect(kernel: Path | None = None, *, refresh: bool = False) -> HostFacts:
+    """Probe KVM (cached in the run dir, which a reboot clears) and choose the accelerator."""
+    path = facts_path()
+    if not refresh and path.exists():
+        try:
+            raw = json.loads(path.read_text())
+            verdict = KvmVerdict(**raw["kvm"])
+            # A cached verdict from the ioctl-only probe is refined once a kernel exists.
+            if not (kernel and verdict.usable and "no guest kernel" in verdict.detail):
+                return HostFacts(verdict, raw["accel"], raw["libvirt_type"])
+        except (ValueError, KeyError, TypeError):
+            pass
+    verdict = probe_kvm(kernel)
+    facts = HostFacts(verdict, "kvm" if verdict.usable else "tcg", "kvm" if verdict.usable else "qemu")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"kvm": asdict(verdict), "accel": facts.accel,
+                                    "libvirt_type": facts.libvirt_type}))
+    except OSError:
+        pass
+    return facts
+
+
+def _procs(name: str) -> list[psutil.Process]:
+    return [p for p in psutil.process_iter(["name"]) if p.info["name"] == name]
+
+
+def libvirtd_hides_kvm(proc: psutil.Process) -> bool:
+    """True if a running libvirtd sees the empty file instead of /dev/kvm."""
+    try:
+        st = os.stat(f"/proc/{proc.pid}/root/dev/kvm")
+    except OSError:
+        return True
+    return not (st.st_mode & 0o170000 == 0o020000)  # not a character device any more
+
+
+def configure_libvirt() -> bool:
+    """Add azqemu's block to qemu.conf once; True if the file changed (libvirtd must restart)."""
+    text = QEMU_CONF.read_text()
+    if CONF_MARK in text:
+        return False
+    if re.search(r"^\s*namespaces\s*=", text, re.M):
+        raise HostError(f"{QEMU_CONF} already sets 'namespaces'; set it to [ ] by hand")
+    QEMU_CONF.write_text(text.rstrip("\n") + "\n\n" + CONF_BLOCK)
+    return True
+
+
+def _wait_libvirt(uri: str, timeout_s: float) -> None:
+    import libvirt  # only the virt layer and set-up touch libvirt
+
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            conn = libvirt.open(uri)
+            conn.close()
+            return
+        except libvirt.libvirtError as exc:
+            last = str(exc)
+            time.sleep(0.2)
+    raise LibvirtUnavailable(uri, last)
+
+
+def _start_libvirtd(hide_kvm: bool) -> None:
+    if hide_kvm:
+        HIDDEN_KVM_FILE.parent.mkdir(parents=True, exist_ok=True)
+        HIDDEN_KVM_FILE.touch()
+        cmd = ["unshare", "-m", "--propagation", "slave", "sh", "-c",
+               f"mount --bind {HIDDEN_KVM_FILE} /dev/kvm && exec libvirtd -d"]
+    else:
+        cmd = ["libvirtd", "-d"]
+    log.info("starting libvirtd: %s", " ".join(cmd))
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+
+
+def setup_host(*, restart: bool = False, kernel: Path | None = None) -> list[str]:
+    """Configure libvirt and make sure virtlogd and libvirtd run; returns what was done."""
+    if os.geteuid() != 0:
+        raise NotRoot("host set-up")
+    if not shutil.which("libvirtd"):
+        raise HostError("libvirtd is not installed (apt-get install libvirt-daemon-system)")
+    done: list[str] = []
+    facts = detect(kernel)
+    hide_kvm = facts.kvm.present and not facts.kvm.usable
+    if configure_libvirt():
+        done.append(f"configured {QEMU_CONF}")
+        restart = True
+    if not _procs("virtlogd"):
+        subprocess.run(["virtlogd", "-d"], check=True)
+        done.append("started virtlogd")
+    running = _procs("libvirtd")
+    if running and hide_kvm and not all(libvirtd_hides_kvm(p) for p in running):
+        done.append("libvirtd saw the unusable /dev/kvm")
+        restart = True
+    if running and restart:
+        for proc in running:
+            proc.terminate()
+        psutil.wait_procs(running, timeout=10)
+        done.append("stopped libvirtd")
+        running = []
+    if not running:
+        _start_libvirtd(hide_kvm)
+        done.append("started libvirtd" + (" with /dev/kvm hidden (KVM unusable here)" if hide_kvm else ""))
+    _wait_libvirt(config_mod.load().libvirt_uri, LIBVIRTD_START_TIMEOUT_S)
+    return done
