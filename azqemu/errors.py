@@ -27,7 +27,8 @@
     │   └── ChecksumMismatch        a decoded page does not match its checksum (``page_idx``)
     ├── RestoreError                userfaultfd export, handler or prefetch
     └── DaemonError                 the manager daemon
-        └── DaemonUnavailable       no daemon on the socket (``socket_path``)
+        ├── DaemonUnavailable       no daemon on the socket (``socket_path``)
+        └── RemoteError             an error raised in the daemon (``error_type``, ``exit_code``)
 """
 
 from __future__ import annotations
@@ -183,3 +184,12 @@ class DaemonUnavailable(DaemonError):
         self.socket_path = socket_path
         super().__init__(f"no azqemu daemon at {socket_path}" + (f" ({detail})" if detail else "")
                          + "; start it with 'azq daemon'")
+
+
+class RemoteError(DaemonError):
+    """An AzqemuError raised inside the daemon, carried back to the CLI with its class name."""
+
+    def __init__(self, error_type: str, message: str, exit_code: int = 1) -> None:
+        self.error_type = error_type
+        self.exit_code = exit_code
+        super().__init__(message)

@@ -29,14 +29,13 @@ COMMANDS: dict[str, str] = {
     "exec": "azqemu.cli.sandbox_cmds:exec_",
     "pause": "azqemu.cli.sandbox_cmds:pause",
     "resume": "azqemu.cli.sandbox_cmds:resume",
-    "compress": "azqemu.cli.sandbox_cmds:compress",
-    "phase": "azqemu.cli.sandbox_cmds:phase",
     "destroy": "azqemu.cli.sandbox_cmds:destroy",
     "list": "azqemu.cli.sandbox_cmds:list_",
     "dominfo": "azqemu.cli.sandbox_cmds:dominfo",
     "daemon": "azqemu.cli.sandbox_cmds:daemon",
     "mem": "azqemu.cli.mem_cmds:mem",
     "bench": "azqemu.cli.bench_cmds:bench",
+    "demo": "azqemu.cli.demo_cmds:demo",
 }
 
 

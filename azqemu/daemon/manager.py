@@ -1,0 +1,258 @@
+"""The manager: the daemon's state and every operation the CLI can ask for.
+
+Each public method ``op_<name>`` is one protocol operation; arguments arrive as JSON values.
+libvirt is the truth about which sandboxes run: at start the manager reconciles its records
+with libvirt's domains (records of vanished domains are dropped, running sandboxes without a
+record get one back from their domain metadata, half-made templates are removed), so a
+restarted daemon lists and serves the same sandboxes.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from typing import Any
+
+from azqemu import config as config_mod
+from azqemu.agent import GuestAgent
+from azqemu.errors import (
+    AgentTimeout,
+    ConfigError,
+    DomainNotFound,
+    DomainStateError,
+    SandboxNotFound,
+)
+from azqemu.sandboxes import (
+    DEFAULT_SHARING_DOMAIN,
+    SandboxRecord,
+    SandboxRepo,
+    clone_one,
+    destroy,
+    eager_fill,
+)
+from azqemu.templates import TemplateRepo, create_template, validate_name, warmup_from_cli
+from azqemu.virt import ramfile
+from azqemu.virt.host import Domain, Host
+from azqemu.virt.identity import remove_vm_dir
+
+log = logging.getLogger(__name__)
+
+# Clones start in parallel, bounded: each start costs libvirt and QEMU a few hundred ms of
+# CPU, and the host here has 2 cores; more in flight only queues behind them.
+MAX_PARALLEL_CLONES = 4
+MAX_CLONES_PER_REQUEST = 256
+EXEC_DEFAULT_TIMEOUT_S = 300.0
+
+
+class Manager:
+    def __init__(self, cfg: config_mod.Config | None = None) -> None:
+        self.cfg = cfg or config_mod.load()
+        self.host = Host(self.cfg.libvirt_uri)
+        self.templates = TemplateRepo(self.cfg)
+        self.sandboxes = SandboxRepo(self.cfg)
+        self._locks: dict[str, threading.RLock] = defaultdict(threading.RLock)
+        self._locks_guard = threading.Lock()
+        self._template_lock = threading.Lock()
+        self.started_at = time.time()
+        self.reconcile()
+
+    # -- bookkeeping ---------------------------------------------------------------------
+    def lock(self, name: str) -> threading.RLock:
+        with self._locks_guard:
+            return self._locks[name]
+
+    def reconcile(self) -> dict[str, list[str]]:
+        """Make records agree with libvirt; returns what changed."""
+        report: dict[str, list[str]] = {"kept": [], "dropped": [], "adopted": [], "removed": []}
+        self.templates.remove_stale_builds()
+        running = {}
+        for dom in self.host.domains():
+            meta = dom.metadata()
+            if meta.get("role") == "template-build":
+                # A template build whose manager died: its work dir is gone, so is its use.
+                with contextlib.suppress(Exception):
+                    dom.destroy()
+                remove_vm_dir(dom.name)
+                report["removed"].append(dom.name)
+            elif meta.get("role") == "sandbox":
+                running[dom.name] = (dom, meta)
+        for rec in self.sandboxes.list():
+            if rec.name in running:
+                report["kept"].append(rec.name)
+            else:
+                self.sandboxes.remove(rec.name)
+                remove_vm_dir(rec.name)
+                report["dropped"].append(rec.name)
+        for name, (dom, meta) in running.items():
+            if not self.sandboxes.path(name).exists():
+                self.sandboxes.save(SandboxRecord(
+                    name=name, template=meta.get("template", "?"),
+                    sharing_domain=meta.get("sharing-domain", DEFAULT_SHARING_DOMAIN),
+                    ram_mode=meta.get("ram-mode", "eager"), uuid=dom.uuid, created_at=time.time()))
+                report["adopted"].append(name)
+        log.info("reconciled with libvirt: %s", report)
+        return report
+
+    def _record(self, name: str) -> SandboxRecord:
+        return self.sandboxes.get(name)
+
+    def _domain(self, name: str) -> Domain:
+        self._record(name)
+        try:
+            return self.host.get_domain(name)
+        except DomainNotFound:
+            raise SandboxNotFound(name) from None
+
+    def clones_of(self, template: str) -> list[str]:
+        return [r.name for r in self.sandboxes.list() if r.template == template]
+
+    # -- operations ----------------------------------------------------------------------
+    def op_ping(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "started_at": self.started_at,
+                "sandboxes": len(self.sandboxes.list())}
+
+    def op_template_create(self, name: str, mem_mib: int = 512, vcpus: int = 1,
+                           warmup: list[str] | None = None) -> dict[str, Any]:
+        with self._template_lock:
+            meta = create_template(self.host, self.templates, name, mem_mib=int(mem_mib),
+                                   vcpus=int(vcpus), warmup=warmup_from_cli(tuple(warmup or ())),
+                                   progress=lambda m: log.info("template %s: %s", name, m))
+        return asdict(meta)
+
+    def op_template_list(self) -> list[dict[str, Any]]:
+        out = []
+        for t in self.templates.list():
+            d = asdict(t)
+            d["clones"] = len(self.clones_of(t.name))
+            out.append(d)
+        return out
+
+    def op_template_delete(self, name: str) -> None:
+        with self._template_lock:
+            self.templates.delete(name, self.clones_of(name))
+
+    def op_clone(self, template: str, count: int = 1, name_prefix: str | None = None,
+                 sharing_domain: str = DEFAULT_SHARING_DOMAIN, names: list[str] | None = None,
+                 ram_mode: str | None = None) -> list[dict[str, Any]]:
+        tmpl = self.templates.get(template)
+        count = int(count)
+        if names:
+            count = len(names)
+        if not 1 <= count <= MAX_CLONES_PER_REQUEST:
+            raise ConfigError(f"clone count {count} out of range (1-{MAX_CLONES_PER_REQUEST})")
+        validate_name(sharing_domain, "sharing domain")
+        prefix = name_prefix or f"{template}-"
+        if not names:
+            taken = {r.name for r in self.sandboxes.list()}
+            names, i = [], 0
+            while len(names) < count:
+                cand = f"{prefix}{i}"
+                if cand not in taken and not self.host.has_domain(cand):
+                    names.append(cand)
+                i += 1
+        for n in names:
+            validate_name(n, "sandbox name")
+        mode = ram_mode or "eager"
+        if mode != "eager":
+            raise ConfigError(f"RAM mode {mode!r} is not available (eager)")
+
+        def one(n: str) -> SandboxRecord:
+            with self.lock(n):
+                return clone_one(self.host, tmpl, n, sharing_domain=sharing_domain, ram_mode=mode,
+                                 fill=eager_fill, repo=self.sandboxes)
+
+        with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_CLONES, len(names))) as pool:
+            futures = [pool.submit(one, n) for n in names]
+            results, first_error = [], None
+            for f in futures:
+                try:
+                    results.append(asdict(f.result()))
+                except Exception as exc:  # noqa: BLE001 - the first error is re-raised below
+                    first_error = first_error or exc
+        if first_error is not None:
+            # All or nothing: a partly made batch is removed so no orphan remains.
+            for r in results:
+                with contextlib.suppress(Exception):
+                    destroy(self.host, self.sandboxes, r["name"])
+            raise first_error
+        return results
+
+    def op_exec(self, name: str, argv: list[str], timeout_s: float = EXEC_DEFAULT_TIMEOUT_S,
+                stdin_b64: str | None = None) -> dict[str, Any]:
+        if not argv:
+            raise ConfigError("no command given (azq exec SANDBOX -- CMD ...)")
+        dom = self._domain(name)
+        state = dom.state()
+        if state != "running":
+            raise DomainStateError(name, state, "running")
+        agent = GuestAgent(name, dom.agent_command)
+        stdin = base64.b64decode(stdin_b64) if stdin_b64 else None
+        t0 = time.monotonic()
+        res = agent.exec(argv, timeout_s=float(timeout_s), stdin=stdin)
+        return {"exit_code": res.exit_code, "stdout_b64": base64.b64encode(res.stdout).decode(),
+                "stderr_b64": base64.b64encode(res.stderr).decode(), "duration_s": time.monotonic() - t0}
+
+    def op_pause(self, name: str) -> None:
+        with self.lock(name):
+            dom = self._domain(name)
+            if dom.state() != "paused":
+                dom.suspend()
+
+    def op_resume(self, name: str) -> None:
+        with self.lock(name):
+            dom = self._domain(name)
+            if dom.state() == "paused":
+                dom.resume()
+
+    def op_destroy(self, name: str) -> None:
+        with self.lock(name):
+            destroy(self.host, self.sandboxes, name)
+
+    def _resident_bytes(self, dom: Domain) -> int | None:
+        pid = dom.qemu_pid()
+        if pid is None:
+            return None
+        try:
+            return os.stat(ramfile.find_ram_fd(pid)).st_blocks * 512
+        except Exception:  # noqa: BLE001 - a domain stopping while listed
+            return None
+
+    def _describe(self, rec: SandboxRecord) -> dict[str, Any]:
+        d = asdict(rec)
+        try:
+            dom = self.host.get_domain(rec.name)
+            d["state"] = dom.state()
+            d["qemu_pid"] = dom.qemu_pid()
+            d["resident_bytes"] = self._resident_bytes(dom)
+        except DomainNotFound:
+            d.update(state="gone", qemu_pid=None, resident_bytes=None)
+        d["stored_bytes"] = 0
+        return d
+
+    def op_list(self) -> list[dict[str, Any]]:
+        return [self._describe(r) for r in self.sandboxes.list()]
+
+    def op_dominfo(self, name: str) -> dict[str, Any]:
+        rec = self._record(name)
+        d = self._describe(rec)
+        tmpl = self.templates.get(rec.template) if self.templates.exists(rec.template) else None
+        if tmpl:
+            d.update(mem_mib=tmpl.mem_mib, vcpus=tmpl.vcpus, machine=tmpl.machine, accel=tmpl.accel)
+        return d
+
+    def op_wait_agent(self, name: str, timeout_s: float = 30.0) -> float:
+        dom = self._domain(name)
+        try:
+            return GuestAgent(name, dom.agent_command).wait_ready(float(timeout_s))
+        except AgentTimeout:
+            raise
+
+    def close(self) -> None:
+        self.host.close()

@@ -1,0 +1,123 @@
+"""The daemon's socket server: root only, one thread per connection, one request each.
+
+The socket is /run/azqemu/azqemu.sock (mode 0600); a peer that is not root is refused by its
+credentials (SO_PEERCRED) as well. Errors raised by operations travel back as data: azqemu
+errors with their class name and exit code, anything else as an internal error whose
+traceback stays in the daemon's log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import socketserver
+import struct
+import threading
+from pathlib import Path
+from typing import Any
+
+from azqemu import config as config_mod
+from azqemu.daemon import protocol
+from azqemu.daemon.manager import Manager
+from azqemu.errors import AzqemuError, DaemonError
+
+log = logging.getLogger(__name__)
+
+
+class _Handler(socketserver.StreamRequestHandler):
+    server: _Server
+
+    def handle(self) -> None:
+        creds = self.request.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        _pid, uid, _gid = struct.unpack("3i", creds)
+        if uid != 0:
+            self._reply({"ok": False, "error": {"type": "PermissionError",
+                                                "message": "the azqemu daemon serves root only",
+                                                "exit_code": 1}})
+            return
+        line = self.rfile.readline(protocol.MAX_LINE_BYTES + 1)
+        if not line:
+            return
+        try:
+            req = protocol.decode(line)
+            op = str(req.get("op", ""))
+            args = req.get("args") or {}
+            if not isinstance(args, dict):
+                raise ValueError("args must be an object")
+        except ValueError as exc:
+            self._reply({"ok": False, "error": {"type": "ProtocolError", "message": str(exc), "exit_code": 2}})
+            return
+        self._reply(self.server.dispatch(op, args))
+
+    def _reply(self, obj: dict[str, Any]) -> None:
+        with contextlib.suppress(OSError):
+            self.wfile.write(protocol.encode(obj))
+
+
+class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+    manager: Manager
+
+    def dispatch(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        fn = getattr(self.manager, f"op_{op}", None)
+        if fn is None or not op.replace("_", "").isalnum():
+            return {"ok": False, "error": {"type": "ProtocolError", "message": f"unknown operation {op!r}",
+                                           "exit_code": 2}}
+        try:
+            return {"ok": True, "result": fn(**args)}
+        except AzqemuError as exc:
+            log.info("op %s failed: %s", op, exc, exc_info=log.isEnabledFor(logging.DEBUG))
+            return {"ok": False, "error": {"type": type(exc).__name__, "message": str(exc),
+                                           "exit_code": exc.exit_code}}
+        except TypeError as exc:
+            return {"ok": False, "error": {"type": "ProtocolError", "message": f"bad arguments for {op}: {exc}",
+                                           "exit_code": 2}}
+        except Exception as exc:  # noqa: BLE001 - the daemon must survive any one request
+            log.exception("op %s crashed", op)
+            return {"ok": False, "error": {"type": "InternalError",
+                                           "message": f"internal error in {op}: {type(exc).__name__}: {exc}",
+                                           "exit_code": 70}}
+
+
+def serve(socket_path: Path | None = None) -> None:
+    """Run the daemon in the foreground until SIGTERM/SIGINT."""
+    cfg = config_mod.load()
+    path = socket_path or cfg.daemon_socket
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.chmod(path.parent, 0o755)
+    if path.exists():
+        probe = socket.socket(socket.AF_UNIX)
+        try:
+            probe.connect(str(path))
+            raise DaemonError(f"a daemon already serves {path}")
+        except (ConnectionRefusedError, FileNotFoundError):
+            path.unlink(missing_ok=True)
+        finally:
+            probe.close()
+    manager = Manager(cfg)
+    old_umask = os.umask(0o177)
+    try:
+        server = _Server(str(path), _Handler)
+    finally:
+        os.umask(old_umask)
+    os.chmod(path, 0o600)
+    server.manager = manager
+    stop = threading.Event()
+
+    def _stop(_sig: int, _frame: object) -> None:
+        stop.set()
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    log.info("azqemu daemon %d serving %s", os.getpid(), path)
+    try:
+        server.serve_forever(poll_interval=0.2)
+    finally:
+        server.server_close()
+        path.unlink(missing_ok=True)
+        manager.close()
+        log.info("azqemu daemon stopped")

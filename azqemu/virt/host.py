@@ -1,0 +1,192 @@
+"""A thin wrapper over a libvirt connection: all libvirt error handling happens here.
+
+``Host`` owns the connection; ``Domain`` wraps one domain with boolean keyword arguments
+instead of flag bitmasks. libvirt errors become azqemu errors (``VIR_ERR_NO_DOMAIN`` becomes
+``DomainNotFound``, a refused connection ``LibvirtUnavailable``) so nothing above this module
+needs to know libvirt's numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import libvirt
+import libvirt_qemu
+from lxml import etree
+
+from azqemu import config as config_mod
+from azqemu.errors import (
+    AgentError,
+    AgentTimeout,
+    DomainNotFound,
+    LibvirtUnavailable,
+    SandboxExists,
+    VirtError,
+)
+
+log = logging.getLogger(__name__)
+
+# libvirt prints every error to stderr unless a handler takes them; ours go to the log.
+libvirt.registerErrorHandler(lambda _ctx, err: log.debug("libvirt: %s", err), None)
+
+AZQ_NS = "http://azqemu.dev/xmlns/sandbox/1"
+
+_STATE_NAMES = {
+    libvirt.VIR_DOMAIN_NOSTATE: "nostate", libvirt.VIR_DOMAIN_RUNNING: "running",
+    libvirt.VIR_DOMAIN_BLOCKED: "blocked", libvirt.VIR_DOMAIN_PAUSED: "paused",
+    libvirt.VIR_DOMAIN_SHUTDOWN: "shutdown", libvirt.VIR_DOMAIN_SHUTOFF: "shutoff",
+    libvirt.VIR_DOMAIN_CRASHED: "crashed", libvirt.VIR_DOMAIN_PMSUSPENDED: "pmsuspended",
+}
+
+
+@contextlib.contextmanager
+def translate_errors(name: str = "") -> Iterator[None]:
+    """Turn libvirt exceptions into azqemu errors, keeping the cause."""
+    try:
+        yield
+    except libvirt.libvirtError as err:
+        code = err.get_error_code()
+        msg = err.get_error_message() or str(err)
+        if code == libvirt.VIR_ERR_NO_DOMAIN:
+            raise DomainNotFound(name) from err
+        if code in (libvirt.VIR_ERR_OPERATION_INVALID,) and "already exists" in msg:
+            raise SandboxExists(name) from err
+        if code == libvirt.VIR_ERR_AGENT_UNRESPONSIVE:
+            raise AgentError(f"guest agent of {name!r} is not responding") from err
+        if code == libvirt.VIR_ERR_AGENT_COMMAND_TIMEOUT:
+            raise AgentTimeout(name, 0, "answer in time") from err
+        if code == libvirt.VIR_ERR_AGENT_UNSYNCED:
+            raise AgentError(f"guest agent of {name!r} is not connected yet") from err
+        raise VirtError(msg, code) from err
+
+
+@dataclass(frozen=True)
+class DomainInfo:
+    name: str
+    uuid: str
+    state: str
+    qemu_pid: int | None
+    metadata: dict[str, str]
+
+
+class Domain:
+    """One libvirt domain."""
+
+    def __init__(self, dom: libvirt.virDomain) -> None:
+        self._dom = dom
+        self.name: str = dom.name()
+
+    @property
+    def uuid(self) -> str:
+        return self._dom.UUIDString()
+
+    def state(self) -> str:
+        with translate_errors(self.name):
+            st, _reason = self._dom.state()
+        return _STATE_NAMES.get(st, str(st))
+
+    def xml(self) -> str:
+        with translate_errors(self.name):
+            return self._dom.XMLDesc(0)
+
+    def metadata(self) -> dict[str, str]:
+        """The attributes of our <azq:sandbox> metadata element ({} for foreign domains)."""
+        root = etree.fromstring(self.xml().encode())
+        elem = root.find(f"metadata/{{{AZQ_NS}}}sandbox")
+        return dict(elem.attrib) if elem is not None else {}
+
+    def qemu_pid(self) -> int | None:
+        """QEMU's pid, from libvirt's pid file (qemu:///system keeps it in /run/libvirt/qemu)."""
+        try:
+            with open(f"/run/libvirt/qemu/{self.name}.pid") as f:
+                return int(f.read().strip())
+        except (OSError, ValueError):
+            return None
+
+    def info(self) -> DomainInfo:
+        return DomainInfo(self.name, self.uuid, self.state(), self.qemu_pid(), self.metadata())
+
+    def suspend(self) -> None:
+        with translate_errors(self.name):
+            self._dom.suspend()
+
+    def resume(self) -> None:
+        with translate_errors(self.name):
+            self._dom.resume()
+
+    def destroy(self, *, graceful: bool = False) -> None:
+        with translate_errors(self.name):
+            if graceful:
+                self._dom.destroyFlags(libvirt.VIR_DOMAIN_DESTROY_GRACEFUL)
+            else:
+                self._dom.destroy()
+
+    def agent_command(self, command_json: str, timeout_s: int) -> str:
+        """Send one JSON command to the QEMU guest agent through libvirt's agent channel."""
+        with translate_errors(self.name):
+            return libvirt_qemu.qemuAgentCommand(self._dom, command_json, timeout_s, 0)
+
+
+class Host:
+    """Owns the libvirt connection. Thread-safe: libvirt connections may be shared by threads."""
+
+    def __init__(self, uri: str | None = None) -> None:
+        self.uri = uri or config_mod.load().libvirt_uri
+        try:
+            self._conn = libvirt.open(self.uri)
+        except libvirt.libvirtError as err:
+            raise LibvirtUnavailable(self.uri, err.get_error_message() or "") from err
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with contextlib.suppress(libvirt.libvirtError):
+            self._conn.close()
+
+    def __enter__(self) -> Host:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def alive(self) -> bool:
+        try:
+            return bool(self._conn.isAlive())
+        except libvirt.libvirtError:
+            return False
+
+    def get_domain(self, name: str) -> Domain:
+        with translate_errors(name):
+            return Domain(self._conn.lookupByName(name))
+
+    def has_domain(self, name: str) -> bool:
+        try:
+            self.get_domain(name)
+            return True
+        except DomainNotFound:
+            return False
+
+    def create_transient(self, xml: str, name: str, *, paused: bool) -> Domain:
+        """Start a transient domain (it vanishes from libvirt when it stops)."""
+        flags = libvirt.VIR_DOMAIN_START_PAUSED if paused else 0
+        if self.has_domain(name):
+            raise SandboxExists(name)
+        with translate_errors(name):
+            return Domain(self._conn.createXML(xml, flags))
+
+    def domains(self) -> list[Domain]:
+        """Every active domain that carries azqemu metadata."""
+        with translate_errors():
+            doms = self._conn.listAllDomains(libvirt.VIR_CONNECT_LIST_DOMAINS_ACTIVE)
+        out = []
+        for dom in doms:
+            d = Domain(dom)
+            try:
+                if d.metadata():
+                    out.append(d)
+            except (DomainNotFound, VirtError):
+                continue  # went away while listing
+        return out

@@ -1,0 +1,127 @@
+"""Guest RAM files: find a QEMU's RAM memfd, copy a template image in, save one out.
+
+Guest RAM is a memfd inside QEMU; root reaches it as /proc/PID/fd/N (opening that path
+gives a new file description of the same memfd). Reading a tmpfs/memfd file through mmap
+would allocate its holes, so everything here walks data extents with SEEK_DATA/SEEK_HOLE
+(lseek(2)) and moves bytes with pread/pwrite or sendfile(2).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from azqemu.config import PAGE_SIZE
+from azqemu.errors import VirtError
+
+RAM_BACKEND_ID = "pc.ram"
+COPY_CHUNK_BYTES = 8 << 20
+
+
+def find_ram_fd(pid: int, backend_id: str = RAM_BACKEND_ID) -> Path:
+    """The /proc path of QEMU's RAM memfd (named after the memory backend's id)."""
+    fd_dir = Path(f"/proc/{pid}/fd")
+    try:
+        entries = list(fd_dir.iterdir())
+    except OSError as exc:
+        raise VirtError(f"cannot list fds of QEMU pid {pid}: {exc.strerror}") from exc
+    for entry in entries:
+        try:
+            target = os.readlink(entry)
+        except OSError:
+            continue
+        if target.startswith(f"/memfd:{backend_id}"):
+            return entry
+    raise VirtError(f"QEMU pid {pid} has no memfd named {backend_id!r}")
+
+
+def data_extents(fd: int, size: int | None = None) -> Iterator[tuple[int, int]]:
+    """Yield (offset, length) of every data extent of ``fd`` (holes skipped)."""
+    end = os.fstat(fd).st_size if size is None else size
+    pos = 0
+    while pos < end:
+        try:
+            start = os.lseek(fd, pos, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:  # no data after pos
+                return
+            raise
+        if start >= end:
+            return
+        stop = min(os.lseek(fd, start, os.SEEK_HOLE), end)
+        yield start, stop - start
+        pos = stop
+
+
+def copy_into(src_path: Path, dst_path: Path) -> int:
+    """Copy the data extents of ``src_path`` to the same offsets of ``dst_path``; returns bytes."""
+    copied = 0
+    src = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        dst = os.open(dst_path, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            for off, length in data_extents(src):
+                os.lseek(dst, off, os.SEEK_SET)
+                done = 0
+                while done < length:
+                    n = os.sendfile(dst, src, off + done, min(COPY_CHUNK_BYTES, length - done))
+                    if n == 0:
+                        raise VirtError(f"short copy from {src_path}")
+                    done += n
+                copied += length
+        finally:
+            os.close(dst)
+    finally:
+        os.close(src)
+    return copied
+
+
+def save_sparse(src_path: Path, dst_path: Path, size_bytes: int) -> int:
+    """Write the non-zero pages of ``src_path`` to a new sparse file; returns bytes of data.
+
+    Zero pages become holes: a template image then costs page cache only for real data, and
+    a hole reads back as the zero page it was.
+    """
+    written = 0
+    src = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        dst = os.open(dst_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o640)
+        try:
+            os.ftruncate(dst, size_bytes)
+            buf = np.empty(COPY_CHUNK_BYTES, dtype=np.uint8)
+            for off, length in data_extents(src, size_bytes):
+                pos = off
+                while pos < off + length:
+                    n = min(COPY_CHUNK_BYTES, off + length - pos)
+                    view = memoryview(buf)[:n]
+                    got = os.preadv(src, [view], pos)
+                    if got != n:
+                        raise VirtError(f"short read from {src_path}")
+                    pages = buf[:n].view(np.uint64).reshape(-1, PAGE_SIZE // 8)
+                    nonzero = np.flatnonzero(pages.any(axis=1))
+                    for run_start, run_len in _runs(nonzero):
+                        a, b = run_start * PAGE_SIZE, (run_start + run_len) * PAGE_SIZE
+                        os.pwritev(dst, [view[a:b]], pos + a)
+                        written += b - a
+                    pos += n
+            os.fsync(dst)
+        finally:
+            os.close(dst)
+    finally:
+        os.close(src)
+    return written
+
+
+def _runs(indices: np.ndarray) -> Iterator[tuple[int, int]]:
+    """Contiguous runs (start, length) in a sorted index array."""
+    if indices.size == 0:
+        return
+    breaks = np.flatnonzero(np.diff(indices) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [indices.size]))
+    for s, e in zip(starts, ends, strict=True):
+        yield int(indices[s]), int(e - s)
