@@ -1,0 +1,543 @@
+#!/usr/bin/env python3
+"""azqemu in-guest phase reporter: tells the host when tools run and when the sandbox idles.
+
+It runs inside every sandbox (Debian 12 minbase, python3 stdlib only) and writes one JSON
+object per line to its own virtio-serial port (org.azqemu.agent.0):
+
+    {"v":1,"seq":7,"t":123.45,"event":"tool-start","phase":"tool","pid":812,"comm":"python3",
+     "source":"guest-exec"}
+
+Events: ``hello`` (agent started), ``tool-start`` / ``tool-end`` (a child of qemu-ga, i.e. a
+command the host started with guest-exec, or a process marked with ``azq-phase run``),
+``busy`` / ``idle`` (some non-kernel process is runnable or burning CPU / nothing is, and an
+in-guest agent process, if configured, is blocked on its LLM connection), ``hint`` (an
+explicit ``azq-phase tool|wait`` from inside the guest, forwarded) and ``state`` (the answer
+to the host's ``{"cmd":"state"}``). ``t`` is the guest's CLOCK_MONOTONIC in seconds; ``seq``
+counts every message the agent produced, so the host sees a gap when messages were dropped.
+
+The guest is untrusted: the host side (azqemu/sched/agent_channel.py) validates every line
+against the same schema and rate-limits it; nothing here is trusted by the host.
+
+Cost: one scan of /proc/*/stat every POLL_BUSY_S while anything runs and every POLL_IDLE_S
+once idle was reported, a few hundred microseconds for a minbase guest's ~20 processes, so
+the reporter itself never keeps the guest busy (its own pid is excluded from the scan).
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import sys
+import time
+
+PROTOCOL_VERSION = 1
+AGENT_NAME = "azq-guest-agent/1"
+DEFAULT_PORT = "/dev/virtio-ports/org.azqemu.agent.0"
+DEFAULT_HINT_SOCKET = "/run/azq-agent.sock"
+
+# Polling cadence. 200 ms while busy so a tool's end is reported within a fraction of a
+# second; 1 s once idle has been reported, because an idle guest should cost nothing and the
+# host learns of the next tool call from its own guest-exec anyway (hints wake us at once).
+POLL_BUSY_S = 0.2
+POLL_IDLE_S = 1.0
+# Consecutive quiet scans before "idle" is reported: 3 x 200 ms. One scan is too noisy (a
+# shell between two commands of a script sleeps for a few ms), more delays compression.
+IDLE_SCANS = 3
+# CPU time (user+sys, in clock ticks, summed over the considered processes and the reaped
+# children of qemu-ga) per scan above which the guest counts as busy although nothing was
+# caught in state R/D: 2 ticks = 20 ms in a 200 ms scan = 10% of one CPU. Daemons that wake
+# now and then stay far below; a tool that computes in bursts stays above.
+BUSY_TICKS_PER_SCAN = 2
+# Messages kept while the host end of the port is not connected; older ones are dropped and
+# counted (the host sees the count in the next message's "dropped" field and a seq gap).
+MAX_QUEUED = 64
+MAX_LINE_BYTES = 4096          # the host drops longer lines; we never write one
+MAX_COMMAND_BYTES = 4096       # longest command line we accept from the host
+MAX_COMM_CHARS = 64
+PF_KTHREAD = 0x00200000        # include/linux/sched.h: task flag of kernel threads
+QEMU_GA_COMMS = ("qemu-ga",)   # /proc/PID/comm of /usr/bin/qemu-ga
+TCP_ESTABLISHED = "01"
+CLK_TCK = os.sysconf("SC_CLK_TCK")  # unit of the start time in /proc/PID/stat         # include/net/tcp_states.h, as printed in /proc/net/tcp
+
+
+# ---------------------------------------------------------------------------------------
+# /proc snapshot
+# ---------------------------------------------------------------------------------------
+
+class Proc:
+    """What one scan learns about one process from /proc/PID/stat."""
+
+    __slots__ = ("pid", "comm", "state", "ppid", "flags", "ticks", "child_ticks", "starttime")
+
+    def __init__(self, pid: int, comm: str, state: str, ppid: int, flags: int, ticks: int,
+                 child_ticks: int, starttime: int) -> None:
+        self.pid, self.comm, self.state, self.ppid = pid, comm, state, ppid
+        self.flags, self.ticks, self.child_ticks, self.starttime = flags, ticks, child_ticks, starttime
+
+    @property
+    def key(self) -> tuple[int, int]:
+        # (pid, start time) names a process across pid reuse.
+        return (self.pid, self.starttime)
+
+    @property
+    def is_kernel(self) -> bool:
+        return bool(self.flags & PF_KTHREAD) or self.pid == 2 or self.ppid == 2
+
+
+def parse_stat(text: str) -> Proc | None:
+    """Parse one /proc/PID/stat line (proc(5)); the comm may hold spaces and parentheses."""
+    lpar, rpar = text.find("("), text.rfind(")")
+    if lpar < 0 or rpar < lpar:
+        return None
+    try:
+        pid = int(text[:lpar])
+        rest = text[rpar + 2:].split()
+        # rest[0] is field 3 (state); field n is rest[n - 3].
+        return Proc(pid=pid, comm=text[lpar + 1:rpar], state=rest[0], ppid=int(rest[1]),
+                    flags=int(rest[6]), ticks=int(rest[11]) + int(rest[12]),
+                    child_ticks=int(rest[13]) + int(rest[14]), starttime=int(rest[19]))
+    except (ValueError, IndexError):
+        return None
+
+
+def scan_procs(proc_root: str = "/proc") -> dict[int, Proc]:
+    procs: dict[int, Proc] = {}
+    try:
+        names = os.listdir(proc_root)
+    except OSError:
+        return procs
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"{proc_root}/{name}/stat", "rb") as f:
+                text = f.read(1024).decode("utf-8", "replace")
+        except OSError:
+            continue  # exited between listdir and open
+        p = parse_stat(text)
+        if p is not None:
+            procs[p.pid] = p
+    return procs
+
+
+def in_subtree(procs: dict[int, Proc], pid: int, root: int) -> bool:
+    seen = 0
+    while pid > 1 and seen < 4096:
+        if pid == root:
+            return True
+        p = procs.get(pid)
+        if p is None:
+            return False
+        pid, seen = p.ppid, seen + 1
+    return pid == root
+
+
+def established_tcp_inodes(proc_root: str = "/proc") -> set[str]:
+    inodes: set[str] = set()
+    for name in ("tcp", "tcp6"):
+        try:
+            with open(f"{proc_root}/net/{name}") as f:
+                next(f, None)
+                for line in f:
+                    cols = line.split()
+                    if len(cols) > 9 and cols[3] == TCP_ESTABLISHED:
+                        inodes.add(cols[9])
+        except OSError:
+            continue
+    return inodes
+
+
+def socket_inodes(pid: int, proc_root: str = "/proc") -> set[str]:
+    out: set[str] = set()
+    try:
+        fds = os.listdir(f"{proc_root}/{pid}/fd")
+    except OSError:
+        return out
+    for fd in fds:
+        try:
+            target = os.readlink(f"{proc_root}/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            out.add(target[8:-1])
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Phase detection (pure: fed with scans, returns events; unit-tested without a guest)
+# ---------------------------------------------------------------------------------------
+
+class Detector:
+    """Turns successive /proc scans into tool-start/tool-end/busy/idle events.
+
+    A tool is a child of qemu-ga (a guest-exec command) or a pid marked by a hint. The guest
+    is busy when a considered process (not a kernel thread, not this agent, not qemu-ga, not
+    a configured in-guest agent process) is in state R or D, or the considered processes plus
+    qemu-ga's reaped children used more than BUSY_TICKS_PER_SCAN of CPU since the last scan
+    (that catches short tools that started and ended between two scans, whose CPU time lands
+    in qemu-ga's cutime). If in-guest agent processes are configured (by comm), the guest is
+    idle only while each of them sleeps with an established TCP connection, i.e. is waiting
+    for its LLM. Known blind spot: a tool that starts and ends between two scans gets no
+    tool-start/tool-end pair (the host, which ran it through guest-exec, knows anyway).
+    """
+
+    def __init__(self, self_pid: int, agent_comms: tuple[str, ...] = (), scope_pid: int | None = None,
+                 qemu_ga_comms: tuple[str, ...] = QEMU_GA_COMMS, idle_scans: int = IDLE_SCANS,
+                 busy_ticks: int = BUSY_TICKS_PER_SCAN) -> None:
+        self.self_pid = self_pid
+        self.agent_comms = agent_comms
+        self.scope_pid = scope_pid
+        self.qemu_ga_comms = qemu_ga_comms
+        self.idle_scans = idle_scans
+        self.busy_ticks = busy_ticks
+        self.tools: dict[tuple[int, int], tuple[str, float, str]] = {}  # key -> (comm, start t, source)
+        self.marked: dict[int, float] = {}                             # pid -> hint time
+        self.prev_ticks: dict[tuple[int, int], int] = {}
+        self.scanned = False
+        self.idle = False                                               # last reported state
+        self.reported = False                                           # reported anything yet
+        self.quiet_scans = 0
+        self.last_busy_t = time.monotonic()
+
+    def mark(self, pid: int, t: float) -> None:
+        """A hint marked pid as a tool (``azq-phase run`` execs the command in place)."""
+        self.marked[pid] = t
+
+    def agent_waiting(self, procs: dict[int, Proc], agents: list[Proc], proc_root: str) -> bool:
+        if not agents:
+            return True
+        if any(a.state not in ("S", "I") for a in agents):
+            return False
+        established = established_tcp_inodes(proc_root)
+        return all(socket_inodes(a.pid, proc_root) & established for a in agents)
+
+    def step(self, procs: dict[int, Proc], t: float, proc_root: str = "/proc",
+             boot_now: float | None = None) -> list[dict]:
+        """Compare one scan with the previous; return the events to send (without v/seq/t)."""
+        events: list[dict] = []
+        ga_pids = {p.pid for p in procs.values() if p.comm in self.qemu_ga_comms}
+
+        # Tools: children of qemu-ga and hint-marked pids (whatever the scope).
+        alive: dict[tuple[int, int], tuple[Proc, str]] = {}
+        for p in procs.values():
+            source = "guest-exec" if p.ppid in ga_pids else ("hint" if p.pid in self.marked else None)
+            if source is not None and p.state not in ("Z", "X"):   # a zombie has ended
+                alive[p.key] = (p, source)
+        # Ends first, so a reused pid reads as tool-end then tool-start.
+        for key in [k for k in self.tools if k not in alive]:
+            comm, start_t, source = self.tools.pop(key)
+            self.marked.pop(key[0], None)
+            events.append({"event": "tool-end", "phase": "tool" if alive else "wait",
+                           "pid": key[0], "comm": comm[:MAX_COMM_CHARS], "source": source,
+                           "duration_s": round(max(0.0, t - start_t), 3)})
+        for key, (p, source) in alive.items():
+            if key not in self.tools:
+                # The tool started before this scan saw it: date its start from its start
+                # time (clock ticks since boot, CLOCK_BOOTTIME) when the caller knows "now" on
+                # that clock, so duration_s is its real run time, not the observed one.
+                start_t = t
+                if boot_now is not None:
+                    start_t = t - min(max(0.0, boot_now - p.starttime / CLK_TCK), POLL_IDLE_S * 2)
+                self.tools[key] = (p.comm, start_t, source)
+                events.append({"event": "tool-start", "phase": "tool", "pid": p.pid,
+                               "comm": p.comm[:MAX_COMM_CHARS], "source": source})
+        # A marked pid that never showed up (exited before the scan) is forgotten after a while.
+        for pid in [pid for pid, mt in self.marked.items() if t - mt > 60 and pid not in procs]:
+            del self.marked[pid]
+
+        # Busy: runnable or CPU-burning considered processes.
+        if self.scope_pid is not None:
+            procs = {pid: p for pid, p in procs.items() if in_subtree(procs, pid, self.scope_pid)}
+        runnable = 0
+        ticks = 0
+        agents: list[Proc] = []
+        new_ticks: dict[tuple[int, int], int] = {}
+        for p in procs.values():
+            if p.is_kernel or p.pid == self.self_pid:
+                continue
+            if p.pid in ga_pids:
+                # qemu-ga itself does not count, the CPU of the children it reaped does.
+                cur = p.child_ticks
+            elif p.comm in self.agent_comms:
+                agents.append(p)
+                continue
+            else:
+                cur = p.ticks
+                if p.state in ("R", "D"):
+                    runnable += 1
+            new_ticks[p.key] = cur
+            prev = self.prev_ticks.get(p.key)
+            # A process first seen now started since the last scan: all its CPU time is new.
+            ticks += cur - prev if prev is not None else cur
+        first_scan, self.scanned = not self.scanned, True
+        self.prev_ticks = new_ticks
+        busy = runnable > 0 or (not first_scan and ticks >= self.busy_ticks)
+        if not busy and not self.agent_waiting(procs, agents, proc_root):
+            busy = True
+
+        if busy:
+            self.quiet_scans = 0
+            self.last_busy_t = t
+            if self.idle or not self.reported:
+                self.idle, self.reported = False, True
+                events.append({"event": "busy", "phase": "tool", "tools": len(self.tools),
+                               "runnable": runnable})
+        else:
+            self.quiet_scans += 1
+            if (not self.idle or not self.reported) and self.quiet_scans >= self.idle_scans:
+                self.idle, self.reported = True, True
+                events.append({"event": "idle", "phase": "wait", "tools": len(self.tools),
+                               "idle_s": round(max(0.0, t - self.last_busy_t), 3)})
+        return events
+
+    def state(self) -> dict:
+        return {"event": "state", "phase": "wait" if self.idle else "tool",
+                "tools": len(self.tools), "idle": self.idle}
+
+
+# ---------------------------------------------------------------------------------------
+# The port (virtio-serial char device) and the hint socket
+# ---------------------------------------------------------------------------------------
+
+class Port:
+    """Newline-delimited JSON over the virtio-serial port, non-blocking.
+
+    virtio_console semantics (drivers/char/virtio_console.c): while no host process holds
+    the chardev's other end, poll() reports POLLHUP, read() returns 0 and a non-blocking
+    write() returns EAGAIN. So the port is polled for input only while the host is
+    connected, and messages are queued (bounded) until a write goes through again.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        self.queue: list[bytes] = []
+        self.dropped = 0
+        self.connected = True
+        self.inbuf = b""
+        self.pending = b""   # the unwritten rest of a partly written line
+
+    def send(self, line: bytes) -> None:
+        if len(self.queue) >= MAX_QUEUED:
+            self.queue.pop(0)
+            self.dropped += 1
+        self.queue.append(line)
+        self.flush()
+
+    def flush(self) -> None:
+        while self.pending or self.queue:
+            if not self.pending:
+                self.pending = self.queue.pop(0)
+            try:
+                n = os.write(self.fd, self.pending)
+            except BlockingIOError:
+                return
+            except OSError as err:
+                if err.errno in (errno.EPIPE, errno.EIO, errno.ENODEV):
+                    self.connected = False
+                    return
+                raise
+            self.connected = True
+            self.pending = self.pending[n:]
+
+    def read_commands(self) -> list[bytes]:
+        try:
+            data = os.read(self.fd, 4096)
+        except BlockingIOError:
+            return []
+        except OSError:
+            self.connected = False
+            return []
+        if not data:
+            self.connected = False  # host end not connected: stop polling until a write works
+            return []
+        self.connected = True
+        self.inbuf += data
+        lines = []
+        while b"\n" in self.inbuf:
+            line, self.inbuf = self.inbuf.split(b"\n", 1)
+            if len(line) <= MAX_COMMAND_BYTES:
+                lines.append(line)
+        if len(self.inbuf) > MAX_COMMAND_BYTES:
+            self.inbuf = b""
+        return lines
+
+
+SO_PASSCRED = getattr(socket, "SO_PASSCRED", 16)
+SCM_CREDENTIALS = getattr(socket, "SCM_CREDENTIALS", 2)
+UCRED = struct.Struct("iII")  # struct ucred {pid_t pid; uid_t uid; gid_t gid;} (Linux ABI)
+
+
+class HintSocket:
+    """Datagram unix socket where ``azq-phase`` drops hints; the sender's pid comes from the
+    kernel (SCM_CREDENTIALS), never from the datagram."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK
+                                  | socket.SOCK_CLOEXEC)
+        self.sock.setsockopt(socket.SOL_SOCKET, SO_PASSCRED, 1)
+        self.sock.bind(path)
+        os.chmod(path, 0o666)  # any process in the sandbox may hint, whatever its user
+
+    def receive(self) -> list[tuple[str, bool, int | None]]:
+        """Return (phase, run, sender pid) for each valid datagram waiting."""
+        hints = []
+        for _ in range(64):  # bounded per wake-up: a flood cannot starve the scan
+            try:
+                data, ancdata, _flags, _addr = self.sock.recvmsg(512, socket.CMSG_SPACE(UCRED.size))
+            except (BlockingIOError, InterruptedError):
+                break
+            pid = None
+            for level, kind, cdata in ancdata:
+                if level == socket.SOL_SOCKET and kind == SCM_CREDENTIALS and len(cdata) >= UCRED.size:
+                    pid = UCRED.unpack_from(cdata)[0]
+            try:
+                msg = json.loads(data.decode("utf-8"))
+            except (UnicodeDecodeError, ValueError, RecursionError):
+                continue
+            if not isinstance(msg, dict) or msg.get("phase") not in ("tool", "wait"):
+                continue
+            hints.append((msg["phase"], msg.get("run") is True, pid))
+        return hints
+
+    def close(self) -> None:
+        self.sock.close()
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+
+
+# ---------------------------------------------------------------------------------------
+# Main loop
+# ---------------------------------------------------------------------------------------
+
+class Agent:
+    def __init__(self, port: Port, hints: HintSocket | None, detector: Detector,
+                 proc_root: str = "/proc") -> None:
+        self.port, self.hints, self.detector, self.proc_root = port, hints, detector, proc_root
+        self.seq = 0
+        self.stop = False
+
+    def emit(self, msg: dict) -> None:
+        full = {"v": PROTOCOL_VERSION, "seq": self.seq, "t": round(time.monotonic(), 3)}
+        full.update(msg)
+        if self.port.dropped:
+            full["dropped"] = self.port.dropped
+            self.port.dropped = 0
+        self.seq += 1
+        line = json.dumps(full, separators=(",", ":"), ensure_ascii=True).encode() + b"\n"
+        if len(line) <= MAX_LINE_BYTES:
+            self.port.send(line)
+
+    def handle_command(self, line: bytes) -> None:
+        try:
+            cmd = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            return
+        if isinstance(cmd, dict) and cmd.get("cmd") == "state":
+            self.emit(self.detector.state())
+
+    def run(self) -> None:
+        self.emit({"event": "hello", "phase": "tool", "agent": AGENT_NAME, "pid": os.getpid()})
+        poller = select.poll()
+        if self.hints is not None:
+            poller.register(self.hints.sock.fileno(), select.POLLIN)
+        port_polled = False
+        next_scan = time.monotonic()
+        while not self.stop:
+            # Poll the port for host commands only while the host is connected (POLLHUP
+            # otherwise fires at once and forever); retry queued writes at every wake-up.
+            want_port = self.port.connected
+            if want_port != port_polled:
+                if want_port:
+                    poller.register(self.port.fd, select.POLLIN)
+                else:
+                    poller.unregister(self.port.fd)
+                port_polled = want_port
+            timeout_s = max(0.0, next_scan - time.monotonic())
+            try:
+                ready = poller.poll(timeout_s * 1000)
+            except InterruptedError:
+                continue
+            for fd, ev in ready:
+                if self.hints is not None and fd == self.hints.sock.fileno():
+                    for phase, run, pid in self.hints.receive():
+                        msg: dict[str, object] = {"event": "hint", "phase": phase, "source": "azq-phase"}
+                        if pid is not None:
+                            msg["pid"] = pid
+                        self.emit(msg)
+                        if run and pid is not None:
+                            self.detector.mark(pid, time.monotonic())
+                            next_scan = time.monotonic()   # report the tool-start now
+                elif fd == self.port.fd:
+                    if ev & select.POLLIN:
+                        for line in self.port.read_commands():
+                            self.handle_command(line)
+                    if ev & (select.POLLHUP | select.POLLERR) and not ev & select.POLLIN:
+                        self.port.connected = False
+            self.port.flush()
+            now = time.monotonic()
+            if now >= next_scan:
+                boot_now = time.clock_gettime(time.CLOCK_BOOTTIME)
+                for msg in self.detector.step(scan_procs(self.proc_root), now, self.proc_root, boot_now):
+                    self.emit(msg)
+                next_scan = now + (POLL_IDLE_S if self.detector.idle and not self.detector.tools
+                                   else POLL_BUSY_S)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="azqemu in-guest phase reporter")
+    ap.add_argument("--port", default=DEFAULT_PORT, help="virtio-serial port (char device)")
+    ap.add_argument("--hint-socket", default=DEFAULT_HINT_SOCKET,
+                    help="unix datagram socket for azq-phase hints ('' to disable)")
+    ap.add_argument("--agent-comm", action="append", default=[],
+                    help="comm of an in-guest agent process that must be waiting on its LLM "
+                         "connection for the sandbox to count as idle (repeatable)")
+    ap.add_argument("--proc", default="/proc", help=argparse.SUPPRESS)
+    ap.add_argument("--scope-pid", type=int, default=None,
+                    help="consider only this process and its descendants (tests, containers)")
+    ap.add_argument("--qemu-ga-comm", action="append", default=[], help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    try:
+        port = Port(args.port)
+    except OSError as err:
+        print(f"azq-guest-agent: cannot open {args.port}: {err.strerror}", file=sys.stderr)
+        return 1
+    hints = None
+    if args.hint_socket:
+        try:
+            hints = HintSocket(args.hint_socket)
+        except OSError as err:
+            print(f"azq-guest-agent: no hint socket at {args.hint_socket}: {err.strerror}",
+                  file=sys.stderr)
+    detector = Detector(os.getpid(), tuple(args.agent_comm), args.scope_pid,
+                        tuple(args.qemu_ga_comm) or QEMU_GA_COMMS)
+    agent = Agent(port, hints, detector, args.proc)
+
+    def on_signal(_signum: int, _frame: object) -> None:
+        agent.stop = True
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        agent.run()
+    finally:
+        if hints is not None:
+            hints.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
