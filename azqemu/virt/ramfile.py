@@ -19,11 +19,13 @@ from azqemu.config import PAGE_SIZE
 from azqemu.errors import VirtError
 
 RAM_BACKEND_ID = "pc.ram"
+# QEMU names the memfd after the backend type ("memory-backend-memfd"), not its id.
+RAM_MEMFD_NAMES = ("memory-backend-memfd", RAM_BACKEND_ID)
 COPY_CHUNK_BYTES = 8 << 20
 
 
-def find_ram_fd(pid: int, backend_id: str = RAM_BACKEND_ID) -> Path:
-    """The /proc path of QEMU's RAM memfd (named after the memory backend's id)."""
+def find_ram_fd(pid: int) -> Path:
+    """The /proc path of QEMU's guest RAM memfd (the domain has exactly one RAM backend)."""
     fd_dir = Path(f"/proc/{pid}/fd")
     try:
         entries = list(fd_dir.iterdir())
@@ -34,9 +36,9 @@ def find_ram_fd(pid: int, backend_id: str = RAM_BACKEND_ID) -> Path:
             target = os.readlink(entry)
         except OSError:
             continue
-        if target.startswith(f"/memfd:{backend_id}"):
+        if any(target.startswith(f"/memfd:{n}") for n in RAM_MEMFD_NAMES):
             return entry
-    raise VirtError(f"QEMU pid {pid} has no memfd named {backend_id!r}")
+    raise VirtError(f"QEMU pid {pid} has no guest RAM memfd")
 
 
 def data_extents(fd: int, size: int | None = None) -> Iterator[tuple[int, int]]:
