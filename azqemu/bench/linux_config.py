@@ -1,0 +1,724 @@
+"""The Linux configuration: the baseline azqemu is measured against, tuned as an operator would.
+
+KSM merges identical private anonymous pages across the copy-on-write clones, a zram swap
+device compresses what is swapped out, and each idle sandbox's guest RAM is pushed out
+proactively (process_madvise MADV_PAGEOUT, or memory-cgroup reclaim), because waiting for
+memory pressure would leave an idle sandbox resident. ``LinuxConfig`` sets this up and tears
+it down, leaving the host exactly as it found it:
+
+    with LinuxConfig() as cfg:              # records every value it will touch, then tunes
+        ...                                 # run clones with private (share=off) RAM
+        pageout(qemu_pid)                   # when a sandbox goes idle
+        wait_ksm_converged()
+    # swapoff (pages come back), zram device removed, KSM unmerged and restored, sysctls back
+
+Choices (what a careful operator does, and why):
+- zram compressor lzo-rle: the kernel's default, a better ratio than lz4 on guest pages at a
+  similar speed (lz4 decompresses faster, zstd compresses better but costs 3-5x the CPU per
+  page and is not built into every kernel: this host offers lzo-rle, lzo, lz4). The first of
+  ZRAM_ALGORITHMS the kernel offers is used; the measurement DESIGN.md's linux_model compares
+  against is lzo-rle too.
+- zram disk size: half of MemTotal by default (zram-generator and Fedora's choice: the disk
+  size bounds the uncompressed data, and zram's own memory is what counts), priority above
+  every existing swap device so zram is used first.
+- vm.swappiness=180 and vm.page-cluster=0: the values zram users run with (swap-in from zram
+  is cheap, readahead of neighbouring swap slots is useless for it).
+- zswap off while zram is the swap device (zswap in front of zram compresses twice).
+- KSM: run=1, pages_to_scan=KSM_PAGES_TO_SCAN every KSM_SLEEP_MS, use_zero_pages=1 (zero
+  pages map the shared zero page instead of a KSM stable node), advisor off so the figures do
+  not depend on its auto-tuning.
+- Teardown writes run=2 (unmerge) and then run=0 when KSM was off before: run=0 alone only
+  stops ksmd and leaves merged pages in every process it touched (other users' too, since
+  anything MADV_MERGEABLE is fair game), which is not the host we found. When KSM was already
+  running, its settings are restored and nothing is unmerged.
+
+A record of the previous values is written before anything changes (``RECORD_NAME`` in the
+run directory), so ``LinuxConfig.recover()`` can restore a host after a crash of the process
+that set it up. Only one LinuxConfig can be active on a host (a lock file).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from azqemu import config as azq_config
+from azqemu.bench.hostmem import KsmStat, read_ksm, read_zram_mm_stat
+from azqemu.errors import HostError, NotRoot
+
+PAGE_SIZE = 4096
+KSM_DIR = Path("/sys/kernel/mm/ksm")
+ZSWAP_DIR = Path("/sys/module/zswap/parameters")
+ZRAM_CONTROL = Path("/sys/class/zram-control")
+SYSCTLS = {"swappiness": Path("/proc/sys/vm/swappiness"), "page-cluster": Path("/proc/sys/vm/page-cluster")}
+RECORD_NAME = "linux-config.json"
+LOCK_NAME = "linux-config.lock"
+
+# Tuning (see the module docstring for the reasons).
+ZRAM_ALGORITHMS = ("lzo-rle", "lz4", "zstd", "lzo")
+ZRAM_SWAP_PRIORITY = 100
+SWAPPINESS = 180
+PAGE_CLUSTER = 0
+# ksmd scans KSM_PAGES_TO_SCAN pages per wake-up and sleeps KSM_SLEEP_MS between: 2000 pages
+# / 20 ms = 100k pages/s = 400 MiB/s of scanning, a full pass over 16 clones of 512 MiB in
+# ~20 s, for roughly a third of one core while it has work. The kernel default (100 / 20 ms)
+# would take 7 minutes per pass, longer than a benchmark run.
+KSM_PAGES_TO_SCAN = 2000
+KSM_SLEEP_MS = 20
+KSM_UNMERGE_TIMEOUT_S = 120.0
+# Only tunables are recorded and compared; counters (full_scans, pages_*) change by themselves.
+KSM_TUNABLES = ("run", "pages_to_scan", "sleep_millisecs", "use_zero_pages", "merge_across_nodes",
+                "max_page_sharing", "smart_scan", "advisor_mode", "advisor_max_cpu",
+                "advisor_min_pages_to_scan", "advisor_max_pages_to_scan", "advisor_target_scan_time",
+                "stable_node_chains_prune_millisecs")
+
+# --- kernel ABI used by pageout() ---------------------------------------------------------
+# process_madvise(2): syscall number 440 on x86_64 (arch/x86/entry/syscalls/syscall_64.tbl)
+# and in the generic table (aarch64, riscv64); Linux >= 5.10. pidfd_open(2) is syscall 434,
+# called through os.pidfd_open(). MADV_PAGEOUT = 21 and MADV_COLD = 20 come from
+# include/uapi/asm-generic/mman-common.h (Linux >= 5.4). The caller needs CAP_SYS_NICE and
+# PTRACE_MODE_READ over the target (root has both).
+SYS_PROCESS_MADVISE = {"x86_64": 440, "aarch64": 440, "riscv64": 440}
+MADV_COLD = 20
+MADV_PAGEOUT = 21
+MADV_MERGEABLE = 12
+IOV_MAX = 1024
+# process_madvise() handles at most MAX_RW_COUNT (INT_MAX rounded down to a page) per call.
+PAGEOUT_CHUNK_BYTES = 1 << 30
+
+
+class _Iovec(ctypes.Structure):
+    # struct iovec {void *iov_base; size_t iov_len;} (include/uapi/linux/uio.h)
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+# ---------------------------------------------------------------------------------------
+# Reading and writing kernel knobs
+# ---------------------------------------------------------------------------------------
+
+def _read(path: Path) -> str:
+    return path.read_text().strip()
+
+
+def _write(path: Path, value: str | int) -> None:
+    try:
+        with open(path, "w") as f:
+            f.write(f"{value}\n")
+    except OSError as err:
+        raise HostError(f"cannot write {value} to {path}: {err.strerror or err}") from err
+
+
+def _selected(value: str) -> str:
+    """'[none] scan-time' -> 'none' (sysfs lists choices with the active one in brackets)."""
+    m = re.search(r"\[([^\]]+)\]", value)
+    return m.group(1) if m else value
+
+
+@dataclass(frozen=True)
+class SwapEntry:
+    name: str
+    kind: str
+    size_kib: int
+    priority: int
+
+
+def read_swaps(path: Path = Path("/proc/swaps")) -> list[SwapEntry]:
+    entries = []
+    for line in path.read_text().splitlines()[1:]:
+        cols = line.split()
+        if len(cols) >= 5:
+            entries.append(SwapEntry(cols[0], cols[1], int(cols[2]), int(cols[4])))
+    return entries
+
+
+def zram_devices() -> dict[str, dict[str, str]]:
+    out: dict[str, dict[str, str]] = {}
+    for dev in sorted(Path("/sys/block").glob("zram*")):
+        info = {}
+        for attr in ("disksize", "initstate", "comp_algorithm", "mem_limit"):
+            try:
+                v = _read(dev / attr)
+            except OSError:
+                continue
+            info[attr] = _selected(v) if attr == "comp_algorithm" else v
+        out[dev.name] = info
+    return out
+
+
+@dataclass
+class HostSnapshot:
+    """Everything LinuxConfig may change, as comparable values."""
+
+    ksm: dict[str, str]
+    zswap: dict[str, str]
+    sysctl: dict[str, str]
+    swaps: list[dict[str, Any]]
+    zram: dict[str, dict[str, str]]
+    zram_loaded: bool
+
+    @classmethod
+    def take(cls) -> HostSnapshot:
+        ksm = {}
+        for name in KSM_TUNABLES:
+            p = KSM_DIR / name
+            if p.exists():
+                v = _read(p)
+                ksm[name] = _selected(v) if name == "advisor_mode" else v
+        zswap = {p.name: _read(p) for p in sorted(ZSWAP_DIR.glob("*"))} if ZSWAP_DIR.is_dir() else {}
+        return cls(ksm=ksm, zswap=zswap,
+                   sysctl={k: _read(p) for k, p in SYSCTLS.items()},
+                   swaps=[asdict(s) for s in read_swaps()],
+                   zram=zram_devices(), zram_loaded=ZRAM_CONTROL.is_dir())
+
+    def diff(self, other: HostSnapshot) -> list[str]:
+        """Human-readable differences (empty when the host is as it was)."""
+        out = []
+        a, b = asdict(self), asdict(other)
+        for section in a:
+            if a[section] != b[section]:
+                if isinstance(a[section], dict):
+                    for k in sorted(set(a[section]) | set(b[section])):
+                        if a[section].get(k) != b[section].get(k):
+                            out.append(f"{section}.{k}: {a[section].get(k)!r} -> {b[section].get(k)!r}")
+                else:
+                    out.append(f"{section}: {a[section]!r} -> {b[section]!r}")
+        return out
+
+
+# ---------------------------------------------------------------------------------------
+# KSM
+# ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class KsmConvergence:
+    converged: bool
+    elapsed_s: float
+    full_scans: int          # full scans observed while waiting
+    stat: KsmStat
+
+
+def wait_ksm_converged(timeout_s: float = 300.0, poll_s: float = 0.1, tolerance_pages: int = 0,
+                       tolerance_fraction: float = 0.01) -> KsmConvergence:
+    """Wait until ksmd has completed two more full scans and pages_sharing held steady across
+    the last of them (within max(tolerance_pages, tolerance_fraction * pages_sharing)).
+
+    One full scan is not enough: a page is merged on the scan after the one that first saw it
+    unchanged (ksmd's checksum test), so the scan after a change still merges.
+    Returns converged=False at the timeout instead of raising: a benchmark reports it.
+    """
+    t0 = time.monotonic()
+    first = read_ksm()
+    last_scans = first.full_scans
+    sharing_at_scan: list[int] = []
+    stat = first
+    while time.monotonic() - t0 < timeout_s:
+        time.sleep(poll_s)
+        stat = read_ksm()
+        if stat.full_scans != last_scans:
+            last_scans = stat.full_scans
+            sharing_at_scan.append(stat.pages_sharing)
+            if len(sharing_at_scan) >= 2:
+                delta = abs(sharing_at_scan[-1] - sharing_at_scan[-2])
+                if delta <= max(tolerance_pages, tolerance_fraction * sharing_at_scan[-1]):
+                    return KsmConvergence(True, time.monotonic() - t0, stat.full_scans - first.full_scans, stat)
+    return KsmConvergence(False, time.monotonic() - t0, stat.full_scans - first.full_scans, stat)
+
+
+def _ksm_unmerge(timeout_s: float = KSM_UNMERGE_TIMEOUT_S) -> None:
+    # Writing 2 unmerges synchronously in the writer's context (it returns when done, or
+    # fails with ENOMEM when the unmerged copies do not fit).
+    _write(KSM_DIR / "run", 2)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        s = read_ksm()
+        if s.pages_shared == 0 and s.pages_sharing == 0:
+            return
+        time.sleep(0.05)
+    raise HostError(f"KSM did not unmerge within {timeout_s:g} s")
+
+
+# ---------------------------------------------------------------------------------------
+# Proactive reclaim: process_madvise(MADV_PAGEOUT) and memory cgroups
+# ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Mapping:
+    start: int           # hva
+    end: int
+    perms: str
+    offset: int
+    inode: int
+    path: str
+
+    @property
+    def size_bytes(self) -> int:
+        return self.end - self.start
+
+
+MAPS_RE = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S{4}) ([0-9a-f]+) \S+ (\d+)\s*(.*)$")
+
+
+def read_maps(pid: int) -> list[Mapping]:
+    out = []
+    try:
+        text = Path(f"/proc/{pid}/maps").read_text()
+    except FileNotFoundError:
+        raise HostError(f"no process {pid}") from None
+    for line in text.splitlines():
+        m = MAPS_RE.match(line)
+        if m:
+            out.append(Mapping(int(m.group(1), 16), int(m.group(2), 16), m.group(3), int(m.group(4), 16),
+                               int(m.group(5)), m.group(6)))
+    return out
+
+
+def find_guest_ram(pid: int, backing: str | None = None) -> tuple[int, int]:
+    """The hva range of QEMU's guest RAM: the largest writable mapping whose path contains
+    ``backing`` (a RAM file such as .../pc.ram, or 'memfd:'), else the largest writable
+    mapping that is anonymous, a memfd or a file on /dev/shm or hugetlbfs.
+
+    Heuristic: guest RAM is by far QEMU's largest mapping for any guest above ~64 MiB (under
+    TCG the translation cache is ~43 MB, so give small guests an explicit ``backing``). A
+    guest above ~2 GiB on q35 is still one mapping (QEMU maps the RAM block whole and only
+    the guest-physical layout splits it).
+    """
+    best: Mapping | None = None
+    for m in read_maps(pid):
+        if "w" not in m.perms:
+            continue
+        if backing is not None:
+            ok = backing in m.path
+        else:
+            ok = (m.path == "" or m.path.startswith("memfd:") or m.path.startswith("/dev/shm/")
+                  or m.path.startswith("/dev/hugepages") or m.path.endswith("pc.ram")
+                  or m.path.endswith("pc.ram (deleted)"))
+        if ok and (best is None or m.size_bytes > best.size_bytes):
+            best = m
+    if best is None:
+        raise HostError(f"no guest RAM mapping in process {pid}" + (f" matching {backing!r}" if backing else ""))
+    return best.start, best.end
+
+
+@dataclass(frozen=True)
+class PageoutResult:
+    pid: int
+    advised_bytes: int
+    elapsed_s: float
+    rss_before_bytes: int
+    rss_after_bytes: int
+
+
+def _process_madvise(pidfd: int, ranges: list[tuple[int, int]], advice: int) -> int:
+    machine = os.uname().machine
+    nr = SYS_PROCESS_MADVISE.get(machine)
+    if nr is None:
+        raise HostError(f"process_madvise: syscall number unknown on {machine}")
+    pieces: list[tuple[int, int]] = []
+    for start, end in ranges:
+        if start % PAGE_SIZE or end % PAGE_SIZE or end <= start:
+            raise HostError(f"pageout range {start:#x}-{end:#x} is not page-aligned and non-empty")
+        for s in range(start, end, PAGEOUT_CHUNK_BYTES):
+            pieces.append((s, min(end, s + PAGEOUT_CHUNK_BYTES)))
+    total = 0
+    # One call per iovec: the kernel stops at the first range it cannot advise and reports
+    # only the bytes before it, so per-range calls keep the accounting exact.
+    for s, e in pieces:
+        done = s
+        while done < e:
+            iov = (_Iovec * 1)(_Iovec(done, e - done))
+            ret = _libc.syscall(ctypes.c_long(nr), ctypes.c_int(pidfd), iov, ctypes.c_size_t(1),
+                                ctypes.c_int(advice), ctypes.c_uint(0))
+            if ret < 0:
+                err = ctypes.get_errno()
+                if err == errno.EINTR:
+                    continue
+                raise HostError(f"process_madvise({advice}) of {done:#x}-{e:#x} failed: {os.strerror(err)}")
+            if ret == 0:
+                break
+            done += ret
+            total += ret
+    return total
+
+
+def _rss_bytes(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def pageout(pid: int, ranges: list[tuple[int, int]] | None = None, *, backing: str | None = None,
+            advice: int = MADV_PAGEOUT) -> PageoutResult:
+    """Push a process's pages (by default QEMU's guest RAM) out to swap (zram) or, for clean
+    file pages, drop them: process_madvise(pidfd, ranges, MADV_PAGEOUT)."""
+    if os.geteuid() != 0:
+        raise NotRoot("process_madvise(MADV_PAGEOUT) of another process")
+    if ranges is None:
+        ranges = [find_guest_ram(pid, backing)]
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        raise HostError(f"no process {pid}") from None
+    try:
+        before = _rss_bytes(pid)
+        t0 = time.perf_counter()
+        advised = _process_madvise(pidfd, ranges, advice)
+        elapsed = time.perf_counter() - t0
+        return PageoutResult(pid, advised, elapsed, before, _rss_bytes(pid))
+    finally:
+        os.close(pidfd)
+
+
+@dataclass(frozen=True)
+class MemoryCgroup:
+    version: int       # 1 or 2
+    path: Path         # the cgroup's directory
+
+
+def memory_cgroup_of(pid: int) -> MemoryCgroup:
+    """The memory cgroup a process is charged to (v2 if the unified hierarchy has the memory
+    controller, else v1). This host: v1 memory controller, a v2 hierarchy without it."""
+    v1_root = Path("/sys/fs/cgroup/memory")
+    v2_roots = [Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified")]
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        hid, controllers, rel = line.split(":", 2)
+        if hid == "0" and controllers == "":
+            for root in v2_roots:
+                try:
+                    if "memory" in _read(root / "cgroup.controllers").split():
+                        return MemoryCgroup(2, root / rel.lstrip("/"))
+                except OSError:
+                    continue
+        elif "memory" in controllers.split(","):
+            return MemoryCgroup(1, v1_root / rel.lstrip("/"))
+    raise HostError(f"process {pid} has no memory cgroup (neither v1 nor v2 memory controller)")
+
+
+def cgroup_reclaim(cg: MemoryCgroup, nbytes: int) -> int:
+    """Reclaim about nbytes from a memory cgroup; return the bytes its usage dropped by.
+
+    v2: memory.reclaim (Linux >= 5.19). v1 has no such file: lower memory.limit_in_bytes to
+    usage - nbytes (the kernel reclaims until usage fits, or refuses with EBUSY and changes
+    nothing), then put the old limit back. Known race: a task of the cgroup that allocates
+    during those few milliseconds meets the lower limit and reclaims too; it is not OOM-killed
+    while swap has room. A v1 cgroup only holds what was charged inside it: QEMU must start in
+    the cgroup (libvirt does that); v1 does not move charges with a task.
+    """
+    if cg.version == 2:
+        before = int(_read(cg.path / "memory.current"))
+        try:
+            _write(cg.path / "memory.reclaim", nbytes)
+        except HostError as err:
+            if not isinstance(err.__cause__, OSError) or err.__cause__.errno != errno.EAGAIN:
+                raise   # EAGAIN: reclaimed less than asked, which is fine here
+        return max(0, before - int(_read(cg.path / "memory.current")))
+    usage_file, limit_file = cg.path / "memory.usage_in_bytes", cg.path / "memory.limit_in_bytes"
+    before = int(_read(usage_file))
+    old_limit = _read(limit_file)
+    target = max(PAGE_SIZE, (before - nbytes) // PAGE_SIZE * PAGE_SIZE)
+    try:
+        _write(limit_file, target)
+    except HostError as err:
+        if not isinstance(err.__cause__, OSError) or err.__cause__.errno != errno.EBUSY:
+            raise
+    finally:
+        _write(limit_file, old_limit)
+    return max(0, before - int(_read(usage_file)))
+
+
+# ---------------------------------------------------------------------------------------
+# Set-up and teardown
+# ---------------------------------------------------------------------------------------
+
+@dataclass
+class _Record:
+    """What LinuxConfig changed, written to disk before each change."""
+
+    before: dict[str, Any]
+    zram_device: str | None = None          # e.g. "zram1", created by us with hot_add
+    zram_node_created: bool = False         # we made /dev/zramN ourselves
+    zram_module_loaded: bool = False        # we ran modprobe zram
+    swapon: bool = False
+    changed: list[str] = field(default_factory=list)   # knob paths we wrote
+
+
+def _run(cmd: list[str]) -> None:
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise HostError(f"{cmd[0]} failed: {err}") from err
+    if r.returncode != 0:
+        raise HostError(f"{' '.join(cmd)} failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
+
+
+class LinuxConfig:
+    """KSM + zram swap + proactive-reclaim tuning, restored exactly on exit (see module doc)."""
+
+    def __init__(self, *, zram_disksize_bytes: int | None = None, zram_algorithm: str | None = None,
+                 ksm_pages_to_scan: int = KSM_PAGES_TO_SCAN, ksm_sleep_ms: int = KSM_SLEEP_MS,
+                 swappiness: int = SWAPPINESS, run_dir: Path | None = None) -> None:
+        self.zram_disksize_bytes = zram_disksize_bytes
+        self.zram_algorithm = zram_algorithm
+        self.ksm_pages_to_scan = ksm_pages_to_scan
+        self.ksm_sleep_ms = ksm_sleep_ms
+        self.swappiness = swappiness
+        self.run_dir = run_dir or azq_config.load().run_dir
+        self.record_path = self.run_dir / RECORD_NAME
+        self.before: HostSnapshot | None = None
+        self.zram_device: str | None = None
+        self.algorithm: str | None = None
+        self._rec: _Record | None = None
+        self._lock_fd: int | None = None
+
+    # -- context manager -------------------------------------------------------------------
+    def __enter__(self) -> LinuxConfig:
+        self.setup()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.teardown()
+
+    # -- set-up ----------------------------------------------------------------------------
+    def _save(self) -> None:
+        assert self._rec is not None
+        tmp = self.record_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self._rec), indent=1))
+        os.replace(tmp, self.record_path)
+
+    def _set(self, path: Path, value: str | int) -> None:
+        assert self._rec is not None
+        if str(path) not in self._rec.changed:
+            self._rec.changed.append(str(path))
+            self._save()
+        _write(path, value)
+
+    def _lock(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.run_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise HostError("another azqemu Linux configuration is active on this host "
+                            f"(lock {self.run_dir / LOCK_NAME})") from None
+        self._lock_fd = fd
+
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def setup(self) -> None:
+        if os.geteuid() != 0:
+            raise NotRoot("the Linux configuration (KSM, zram, swap)")
+        self._lock()
+        try:
+            if self.record_path.exists():
+                # A previous run died without teardown: put the host back first.
+                LinuxConfig.recover(self.run_dir, _locked=True)
+            self.before = HostSnapshot.take()
+            self._rec = _Record(before=asdict(self.before))
+            self._save()
+            self._setup_sysctl()
+            self._setup_zram()
+            self._setup_ksm()
+        except BaseException:
+            try:
+                self.teardown()
+            except HostError:
+                pass
+            raise
+
+    def _setup_sysctl(self) -> None:
+        self._set(SYSCTLS["swappiness"], self.swappiness)
+        self._set(SYSCTLS["page-cluster"], PAGE_CLUSTER)
+        if (ZSWAP_DIR / "enabled").exists() and _read(ZSWAP_DIR / "enabled") in ("Y", "1"):
+            self._set(ZSWAP_DIR / "enabled", "N")
+
+    def _setup_zram(self) -> None:
+        assert self._rec is not None
+        if not ZRAM_CONTROL.is_dir():
+            self._rec.zram_module_loaded = True
+            self._save()
+            _run(["modprobe", "zram", "num_devices=0"])
+            if not ZRAM_CONTROL.is_dir():
+                raise HostError("zram is not available (modprobe zram left no /sys/class/zram-control)")
+        # Always a device of our own (hot_add): never reuse one that may belong to someone.
+        idx = int(_read(ZRAM_CONTROL / "hot_add"))
+        dev = f"zram{idx}"
+        self._rec.zram_device = self.zram_device = dev
+        self._save()
+        sysdir = Path("/sys/block") / dev
+        offered = _read(sysdir / "comp_algorithm").replace("[", "").replace("]", "").split()
+        choice = self.zram_algorithm or next((a for a in ZRAM_ALGORITHMS if a in offered), None)
+        if choice is None or choice not in offered:
+            raise HostError(f"zram compressor {choice or ZRAM_ALGORITHMS[0]} not offered (kernel offers {' '.join(offered)})")
+        self.algorithm = choice
+        _write(sysdir / "comp_algorithm", choice)
+        size = self.zram_disksize_bytes
+        if size is None:
+            size = _meminfo_bytes("MemTotal") // 2
+        _write(sysdir / "disksize", size // PAGE_SIZE * PAGE_SIZE)
+        node = Path("/dev") / dev
+        for _ in range(100):   # devtmpfs creates the node asynchronously
+            if node.exists():
+                break
+            time.sleep(0.01)
+        if not node.exists():
+            major, minor = map(int, _read(sysdir / "dev").split(":"))
+            os.mknod(node, 0o600 | 0o060000, os.makedev(major, minor))
+            self._rec.zram_node_created = True
+            self._save()
+        _run(["mkswap", str(node)])
+        prio = max([ZRAM_SWAP_PRIORITY] + [s.priority + 1 for s in read_swaps()])
+        self._rec.swapon = True
+        self._save()
+        _run(["swapon", "-p", str(min(prio, 32767)), str(node)])
+
+    def _setup_ksm(self) -> None:
+        if not KSM_DIR.is_dir():
+            raise HostError("this kernel has no KSM (/sys/kernel/mm/ksm)")
+        if (KSM_DIR / "advisor_mode").exists() and _selected(_read(KSM_DIR / "advisor_mode")) != "none":
+            self._set(KSM_DIR / "advisor_mode", "none")
+        self._set(KSM_DIR / "pages_to_scan", self.ksm_pages_to_scan)
+        self._set(KSM_DIR / "sleep_millisecs", self.ksm_sleep_ms)
+        self._set(KSM_DIR / "use_zero_pages", 1)
+        self._set(KSM_DIR / "run", 1)
+
+    # -- teardown --------------------------------------------------------------------------
+    def teardown(self) -> None:
+        """Undo everything setup() did, even partly; raise HostError listing what failed or
+        what still differs from the snapshot, after trying every step."""
+        try:
+            if self._rec is not None:
+                errors = _undo(self._rec)
+                if not errors:
+                    after = HostSnapshot.take()
+                    before = HostSnapshot(**self._rec.before)
+                    errors = [f"not restored: {d}" for d in before.diff(after)]
+                if errors:
+                    raise HostError("Linux configuration teardown: " + "; ".join(errors))
+                self.record_path.unlink(missing_ok=True)
+                self._rec = None
+        finally:
+            self._unlock()
+
+    @staticmethod
+    def recover(run_dir: Path | None = None, *, _locked: bool = False) -> bool:
+        """Restore a host from the record a crashed LinuxConfig left; True if there was one."""
+        run_dir = run_dir or azq_config.load().run_dir
+        path = run_dir / RECORD_NAME
+        if not path.exists():
+            return False
+        cfg = LinuxConfig(run_dir=run_dir)
+        if not _locked:
+            cfg._lock()
+        try:
+            cfg._rec = _Record(**json.loads(path.read_text()))
+        except (ValueError, TypeError) as err:
+            cfg._unlock()
+            raise HostError(f"unreadable Linux configuration record {path}: {err}") from err
+        if _locked:
+            errors = _undo(cfg._rec)
+            if errors:
+                raise HostError("Linux configuration recovery: " + "; ".join(errors))
+            path.unlink(missing_ok=True)
+        else:
+            cfg.teardown()
+        return True
+
+    # -- conveniences ----------------------------------------------------------------------
+    def zram_stat(self) -> dict[str, int]:
+        if self.zram_device is None:
+            return {}
+        return read_zram_mm_stat(self.zram_device)
+
+
+def _undo(rec: _Record) -> list[str]:
+    errors: list[str] = []
+    before = HostSnapshot(**rec.before)
+
+    def attempt(what: str, fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except (HostError, OSError, ValueError) as err:
+            errors.append(f"{what}: {err}")
+
+    dev = rec.zram_device
+    if dev is not None:
+        node = f"/dev/{dev}"
+        if rec.swapon and any(s.name == node for s in read_swaps()):
+            attempt("swapoff", _run, ["swapoff", node])      # pages come back into RAM
+        if Path(f"/sys/block/{dev}").exists():
+            attempt("zram reset", _write, Path(f"/sys/block/{dev}/reset"), 1)
+            attempt("zram hot_remove", _write, ZRAM_CONTROL / "hot_remove", dev[4:])
+        if rec.zram_node_created and Path(node).exists():
+            attempt("remove device node", os.unlink, node)
+    if rec.zram_module_loaded and not before.zram_loaded and ZRAM_CONTROL.is_dir():
+        attempt("rmmod zram", _run, ["rmmod", "zram"])
+
+    # KSM: unmerge if it was off, then every tunable back (run last).
+    ksm_before = before.ksm
+    changed = set(rec.changed)
+    if str(KSM_DIR / "run") in changed and ksm_before.get("run") == "0":
+        attempt("KSM unmerge", _ksm_unmerge)
+    for name in KSM_TUNABLES:
+        if name == "run" or str(KSM_DIR / name) not in changed or name not in ksm_before:
+            continue
+        attempt(f"KSM {name}", _write, KSM_DIR / name, ksm_before[name])
+    if str(KSM_DIR / "run") in changed:
+        attempt("KSM run", _write, KSM_DIR / "run", ksm_before.get("run", "0"))
+
+    for name, value in before.zswap.items():
+        if str(ZSWAP_DIR / name) in changed:
+            attempt(f"zswap {name}", _write, ZSWAP_DIR / name, value)
+    for name, path in SYSCTLS.items():
+        if str(path) in changed:
+            attempt(f"vm.{name}", _write, path, before.sysctl[name])
+    return errors
+
+
+def _meminfo_bytes(key: str) -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise HostError(f"/proc/meminfo has no {key}")
+
+
+@contextmanager
+def signals_raise() -> Iterator[None]:
+    """Turn SIGTERM and SIGHUP into SystemExit for the block, so that ``with LinuxConfig()``
+    tears down when a benchmark is killed politely (SIGKILL still needs ``recover()``)."""
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, _frame: FrameType | None) -> None:
+        raise SystemExit(128 + signum)
+    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
