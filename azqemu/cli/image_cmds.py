@@ -1,0 +1,86 @@
+"""`azq image`: build the guest image from images/ and show where it is.
+
+`azq image build` is a no-op when the cache already holds the image for the current recipe
+(images/ and guest-agent/ hashed); `--force` rebuilds it anyway. Building needs root.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import click
+
+from azqemu.errors import ImageError
+
+
+def _mib(size_bytes: int) -> str:
+    return f"{size_bytes / (1 << 20):.1f} MiB"
+
+
+@click.group()
+def image() -> None:
+    """Build and inspect the guest image (kernel, initramfs, read-only rootfs)."""
+
+
+@image.command()
+@click.option("--force", is_flag=True, help="Rebuild even if the image is up to date.")
+def build(force: bool) -> None:
+    """Build the guest image for the current recipe into the image cache."""
+    from azqemu import image as guest_image
+
+    started = time.monotonic()
+    if not force:
+        try:
+            img = guest_image.find_image()
+        except ImageError:
+            pass
+        else:
+            click.echo(f"image up to date: {img.key}")
+            return
+    img = guest_image.build_image(force=force, progress=click.echo)
+    manifest = guest_image.read_manifest(img)
+    sizes = ", ".join(f"{role} {_mib(info['size_bytes'])}" for role, info in manifest["files"].items())
+    click.echo(f"built image {img.key} in {time.monotonic() - started:.1f} s: {sizes}")
+    click.echo(f"  {img.kernel.parent}")
+
+
+@image.command()
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--verify", is_flag=True, help="Also check every file's sha256.")
+def info(as_json: bool, verify: bool) -> None:
+    """Paths, key and size of the image for the current recipe."""
+    from azqemu import image as guest_image
+
+    img = guest_image.find_image()
+    if verify:
+        img = guest_image.image_by_key(img.key, verify=True)
+    manifest = guest_image.read_manifest(img)
+    if as_json:
+        record: dict[str, object] = dict(img.to_dict())
+        record.update({k: manifest.get(k) for k in ("kernel_abi", "kernel_package_version", "built_at",
+                                                    "build_s", "package_count")})
+        record["files"] = {role: {"size_bytes": f["size_bytes"], "allocated_bytes": f["allocated_bytes"],
+                                  "sha256": f["sha256"]} for role, f in manifest["files"].items()}
+        click.echo(json.dumps(record, indent=2))
+        return
+    rows = [("key", img.key), ("kernel", f"{img.kernel}  ({manifest['kernel_abi']}, "
+                                          f"{manifest['kernel_package_version']})"),
+            ("initrd", str(img.initrd)), ("rootfs", str(img.rootfs)), ("cmdline", img.cmdline)]
+    rows += [(f"{role} size", _mib(f["size_bytes"]) + (f" ({_mib(f['allocated_bytes'])} allocated)"
+                                                       if role == "rootfs" else ""))
+             for role, f in manifest["files"].items()]
+    rows += [("total", _mib(img.size_bytes)), ("built", f"{manifest['built_at']} in {manifest['build_s']} s"),
+             ("packages", str(manifest.get("package_count", "?")))]
+    for name, value in rows:
+        click.echo(f"{name + ':':15}{value}")
+    if verify:
+        click.echo("sha256:        all files match")
+
+
+@image.command()
+def key() -> None:
+    """Print the cache key of the current recipe (built or not)."""
+    from azqemu import image as guest_image
+
+    click.echo(guest_image.recipe_key())

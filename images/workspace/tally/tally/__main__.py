@@ -1,0 +1,7 @@
+"""Entry point for `python3 -m tally`."""
+
+import sys
+
+from tally.cli import main
+
+sys.exit(main())
