@@ -1,0 +1,374 @@
+"""Density benchmark reports: JSON, a Markdown table, PNG plots, a terminal table, nightly checks.
+
+The input is the density result dict, whose keys are a stable contract (DESIGN.md, "Figures
+the benchmarks print"):
+
+    {"workload": s, "sandboxes": N,
+     "policies": {POLICY: {"owned_bytes_avg": n, "owned_bytes_peak": n, "host_used_bytes_avg": n,
+                           "tool_latency_s": {"median": x, "p95": x},
+                           "compress_s_total": x, "restore_s_total": x}}}
+
+Optional keys this module understands (added, never renamed):
+    policies[P]["series"] = {"t_s": [...], "owned_bytes": [...], "host_used_bytes": [...]}
+        owned_bytes summed over the sandboxes at each sample (memory-over-time plot);
+    policies[P]["tool_latencies_s"] = [...]  every tool call's latency (CDF plot);
+    policies[P]["qemu_own_bytes_avg"], result["template_bytes"], result["seed"], result["scale"].
+
+Ratios are against both no-compression baselines: ``none`` (full-copy clones) and
+``none-cow`` (copy-on-write clones, the stronger one): ratio = baseline owned / policy owned,
+so 4.0 means the policy needs a quarter of the memory. Slowdown = policy median tool latency /
+none-cow's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from azqemu.errors import ConfigError
+
+BASELINES = ("none", "none-cow")
+# Known policies first, in this order; others follow alphabetically.
+POLICY_ORDER = ("none", "none-cow", "linux", "azqemu-eager", "azqemu", "azqemu-lazy", "azqemu-prefetch")
+REQUIRED_POLICY_KEYS = ("owned_bytes_avg", "owned_bytes_peak", "host_used_bytes_avg", "tool_latency_s",
+                        "compress_s_total", "restore_s_total")
+MIB = 1 << 20
+
+# Nightly comparison: what is checked, which way is worse, and the smallest absolute change
+# that counts (so that noise on tiny values never flags: 1 MiB of memory, 50 ms of latency).
+DEFAULT_TOLERANCE = 0.10
+NIGHTLY_METRICS: dict[str, tuple[str, float]] = {
+    "owned_bytes_avg": ("higher", 1 * MIB),
+    "owned_bytes_peak": ("higher", 1 * MIB),
+    "host_used_bytes_avg": ("higher", 1 * MIB),
+    "tool_latency_s.median": ("higher", 0.05),
+    "tool_latency_s.p95": ("higher", 0.05),
+    "ratio_vs_none": ("lower", 0.05),
+    "ratio_vs_none_cow": ("lower", 0.05),
+}
+
+
+def ordered_policies(result: dict[str, Any]) -> list[str]:
+    names = list(result.get("policies", {}))
+    known = [p for p in POLICY_ORDER if p in names]
+    return known + sorted(p for p in names if p not in POLICY_ORDER)
+
+
+def validate(result: Any) -> None:
+    """Refuse a result that breaks the contract, with one line naming the key."""
+    if not isinstance(result, dict):
+        raise ConfigError("density result: expected a JSON object")
+    for key in ("workload", "sandboxes", "policies"):
+        if key not in result:
+            raise ConfigError(f"density result: missing key {key!r}")
+    if not isinstance(result["policies"], dict) or not result["policies"]:
+        raise ConfigError("density result: 'policies' must be a non-empty object")
+    for name, pol in result["policies"].items():
+        if not isinstance(pol, dict):
+            raise ConfigError(f"density result: policies.{name} must be an object")
+        for key in REQUIRED_POLICY_KEYS:
+            if key not in pol:
+                raise ConfigError(f"density result: policies.{name} has no {key!r}")
+        lat = pol["tool_latency_s"]
+        if not isinstance(lat, dict) or "median" not in lat or "p95" not in lat:
+            raise ConfigError(f"density result: policies.{name}.tool_latency_s needs median and p95")
+
+
+def _get(pol: dict[str, Any], metric: str) -> float | None:
+    cur: Any = pol
+    for part in metric.split("."):
+        if not isinstance(cur, dict) or part not in cur:
+            return None
+        cur = cur[part]
+    return float(cur) if isinstance(cur, (int, float)) and not isinstance(cur, bool) else None
+
+
+def ratios(result: dict[str, Any]) -> dict[str, dict[str, float | None]]:
+    """Per policy: ratio_vs_none, ratio_vs_none_cow (memory), slowdown_vs_none_cow (latency)."""
+    pols = result["policies"]
+    out: dict[str, dict[str, float | None]] = {}
+    for name, pol in pols.items():
+        row: dict[str, float | None] = {}
+        for base, key in (("none", "ratio_vs_none"), ("none-cow", "ratio_vs_none_cow")):
+            b = _get(pols.get(base, {}), "owned_bytes_avg")
+            p = _get(pol, "owned_bytes_avg")
+            row[key] = b / p if b is not None and p else None
+        b = _get(pols.get("none-cow", {}), "tool_latency_s.median")
+        p = _get(pol, "tool_latency_s.median")
+        row["slowdown_vs_none_cow"] = p / b if b and p is not None else None
+        out[name] = row
+    return out
+
+
+def with_ratios(result: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the result with the ratios added to each policy (added keys, contract intact)."""
+    out = json.loads(json.dumps(result, default=_json_default))
+    for name, row in ratios(result).items():
+        out["policies"][name].update(row)
+    return out
+
+
+def _mib(x: float | None) -> str:
+    return "—" if x is None else f"{x / MIB:,.1f}"
+
+
+def _x(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f}x"
+
+
+def _s(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f}"
+
+
+HEADERS = ("policy", "owned avg MiB", "owned peak MiB", "host used avg MiB", "vs none", "vs none-cow",
+           "tool median s", "tool p95 s", "slowdown", "compress s", "restore s")
+
+
+def table_rows(result: dict[str, Any]) -> list[list[str]]:
+    r = ratios(result)
+    rows = []
+    for name in ordered_policies(result):
+        pol = result["policies"][name]
+        rows.append([
+            name, _mib(_get(pol, "owned_bytes_avg")), _mib(_get(pol, "owned_bytes_peak")),
+            _mib(_get(pol, "host_used_bytes_avg")), _x(r[name]["ratio_vs_none"]), _x(r[name]["ratio_vs_none_cow"]),
+            _s(_get(pol, "tool_latency_s.median")), _s(_get(pol, "tool_latency_s.p95")),
+            _x(r[name]["slowdown_vs_none_cow"]), _s(_get(pol, "compress_s_total")), _s(_get(pol, "restore_s_total")),
+        ])
+    return rows
+
+
+def _title(result: dict[str, Any]) -> str:
+    extra = ", ".join(f"{k} {result[k]}" for k in ("scale", "seed") if k in result)
+    return f"density: {result['workload']}, {result['sandboxes']} sandboxes" + (f" ({extra})" if extra else "")
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    validate(result)
+    lines = [f"### {_title(result)}", "", "| " + " | ".join(HEADERS) + " |",
+             "|" + "|".join(["---"] + ["---:"] * (len(HEADERS) - 1)) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in table_rows(result)]
+    notes = ["Owned: what the host spends on the sandboxes beyond what they all share, averaged over "
+             "the run (tool phases and waits); ratios are baseline owned / policy owned; slowdown is "
+             "the median tool-call latency over none-cow's."]
+    if "template_bytes" in result:
+        notes.append(f"Template RAM image, counted once: {_mib(float(result['template_bytes']))} MiB.")
+    own = {n: _get(p, "qemu_own_bytes_avg") for n, p in result["policies"].items()}
+    if any(v is not None for v in own.values()):
+        vals = [v for v in own.values() if v is not None]
+        notes.append(f"QEMU's own memory per sandbox (not in owned): {_mib(min(vals))}-{_mib(max(vals))} MiB.")
+    return "\n".join(lines + [""] + notes) + "\n"
+
+
+RICH_HEADERS = ("policy", "owned", "peak", "host", "×none", "×cow", "p50 s", "p95 s", "slow", "comp s", "rest s")
+
+
+def rich_table(result: dict[str, Any]) -> Any:
+    """The terminal table: compact (whole MiB, one-decimal ratios, no box) to fit 80 columns."""
+    from rich import box
+    from rich.table import Table
+    validate(result)
+    table = Table(title=_title(result), box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+                  padding=(0, 1), collapse_padding=True, caption="MiB averaged over the run (peak: max); ×: baseline owned / "
+                  "policy owned; slow: median tool latency / none-cow's")
+    for k, h in enumerate(RICH_HEADERS):
+        table.add_column(h, justify="left" if k == 0 else "right", no_wrap=True)
+    r = ratios(result)
+    for name in ordered_policies(result):
+        pol = result["policies"][name]
+
+        def mib(key: str, pol: dict[str, Any] = pol) -> str:
+            v = _get(pol, key)
+            return "—" if v is None else f"{v / MIB:,.0f}"
+
+        def x(v: float | None) -> str:
+            return "—" if v is None else f"{v:.1f}×"
+
+        table.add_row(name, mib("owned_bytes_avg"), mib("owned_bytes_peak"), mib("host_used_bytes_avg"),
+                      x(r[name]["ratio_vs_none"]), x(r[name]["ratio_vs_none_cow"]),
+                      _s(_get(pol, "tool_latency_s.median")), _s(_get(pol, "tool_latency_s.p95")),
+                      x(r[name]["slowdown_vs_none_cow"]), _s(_get(pol, "compress_s_total")),
+                      _s(_get(pol, "restore_s_total")))
+    return table
+
+
+def print_table(result: dict[str, Any], console: Any = None) -> None:
+    from rich.console import Console
+    (console or Console()).print(rich_table(result))
+
+
+# ---------------------------------------------------------------------------------------
+# Plots (matplotlib's Agg canvas directly: no pyplot, no global backend state)
+# ---------------------------------------------------------------------------------------
+
+def _figure(width: float, height: float) -> Any:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(width, height), dpi=110)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def plot_memory(result: dict[str, Any], path: Path) -> Path | None:
+    """Owned memory (all sandboxes) and host memory in use over time, one line per policy.
+    None when no policy carries a series."""
+    pols = [(n, result["policies"][n].get("series")) for n in ordered_policies(result)]
+    pols = [(n, s) for n, s in pols if isinstance(s, dict) and s.get("t_s")]
+    if not pols:
+        return None
+    fig = _figure(9, 6.5)
+    ax1, ax2 = fig.subplots(2, 1, sharex=True)
+    for name, s in pols:
+        t = s["t_s"]
+        if s.get("owned_bytes"):
+            ax1.plot(t, [None if v is None else v / MIB for v in s["owned_bytes"]], label=name, lw=1.4)
+        if s.get("host_used_bytes"):
+            ax2.plot(t, [None if v is None else v / MIB for v in s["host_used_bytes"]], label=name, lw=1.4)
+    ax1.set_ylabel("owned by sandboxes (MiB)")
+    ax2.set_ylabel("host memory in use (MiB)")
+    ax2.set_xlabel("time since start of run (s)")
+    ax1.set_title(_title(result))
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.set_ylim(bottom=0)
+    ax1.legend(loc="best", fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def plot_latency_cdf(result: dict[str, Any], path: Path) -> Path | None:
+    """Empirical CDF of tool-call latency per policy; None when no latencies were kept."""
+    pols = [(n, result["policies"][n].get("tool_latencies_s")) for n in ordered_policies(result)]
+    pols = [(n, sorted(v)) for n, v in pols if isinstance(v, list) and v]
+    if not pols:
+        return None
+    fig = _figure(8, 5)
+    ax = fig.subplots()
+    for name, lat in pols:
+        n = len(lat)
+        ax.step(lat, [(k + 1) / n for k in range(n)], where="post", label=f"{name} (n={n})", lw=1.4)
+    ax.set_xscale("log")
+    ax.set_xlabel("tool-call latency (s, log)")
+    ax.set_ylabel("fraction of tool calls")
+    ax.set_ylim(0, 1.01)
+    ax.grid(alpha=0.3, which="both")
+    ax.set_title(_title(result))
+    ax.legend(loc="lower right", fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+# ---------------------------------------------------------------------------------------
+# Files
+# ---------------------------------------------------------------------------------------
+
+def _json_default(o: Any) -> Any:
+    # numpy scalars and arrays, which a runner may leave in the dict
+    if hasattr(o, "tolist"):
+        return o.tolist()
+    if hasattr(o, "item"):
+        return o.item()
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def _finite(o: Any) -> Any:
+    if isinstance(o, float) and not math.isfinite(o):
+        return None
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, list):
+        return [_finite(v) for v in o]
+    return o
+
+
+def to_json(result: dict[str, Any]) -> str:
+    """The result as JSON: numpy values converted, NaN/inf as null (strict JSON for tools)."""
+    plain = json.loads(json.dumps(result, default=_json_default))
+    return json.dumps(_finite(plain), indent=1, allow_nan=False) + "\n"
+
+
+@dataclass(frozen=True)
+class ReportFiles:
+    json: Path
+    markdown: Path
+    memory_png: Path | None
+    latency_png: Path | None
+
+
+def write_report(result: dict[str, Any], out_dir: Path, prefix: str = "density") -> ReportFiles:
+    """Write PREFIX.json (the contract plus ratios), PREFIX.md, PREFIX-memory.png and
+    PREFIX-latency.png (when the result carries series / latencies) into out_dir."""
+    validate(result)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    js = out_dir / f"{prefix}.json"
+    js.write_text(to_json(with_ratios(result)))
+    md = out_dir / f"{prefix}.md"
+    md.write_text(markdown_table(result))
+    return ReportFiles(js, md, plot_memory(result, out_dir / f"{prefix}-memory.png"),
+                       plot_latency_cdf(result, out_dir / f"{prefix}-latency.png"))
+
+
+# ---------------------------------------------------------------------------------------
+# Nightly regression check
+# ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Regression:
+    policy: str
+    metric: str
+    prev: float | None
+    cur: float | None
+    change: float | None     # relative change, in the worse direction (0.25 = 25% worse)
+
+    def __str__(self) -> str:
+        if self.cur is None:
+            return f"{self.policy}: {self.metric} missing (was {self.prev:g})" if self.prev is not None \
+                else f"{self.policy}: {self.metric} missing"
+        return f"{self.policy}: {self.metric} {self.prev:g} -> {self.cur:g} ({self.change:+.0%} worse)"
+
+
+def compare_nightly(prev: dict[str, Any], cur: dict[str, Any],
+                    tolerance: float | dict[str, float] = DEFAULT_TOLERANCE) -> list[Regression]:
+    """Flag what got worse than ``tolerance`` (a fraction, or per metric with a '*' default)
+    from one nightly result to the next. A policy that disappeared is a regression; a new one
+    is not. Results of different workloads or sandbox counts cannot be compared (ConfigError).
+    """
+    validate(prev)
+    validate(cur)
+    for key in ("workload", "sandboxes"):
+        if prev[key] != cur[key]:
+            raise ConfigError(f"cannot compare density results: {key} {prev[key]!r} vs {cur[key]!r}")
+
+    def tol(metric: str) -> float:
+        if isinstance(tolerance, dict):
+            return tolerance.get(metric, tolerance.get("*", DEFAULT_TOLERANCE))
+        return tolerance
+
+    pr, cr = ratios(prev), ratios(cur)
+    out: list[Regression] = []
+    for name in ordered_policies(prev):
+        if name not in cur["policies"]:
+            out.append(Regression(name, "policy", None, None, None))
+            continue
+        for metric, (worse, min_abs) in NIGHTLY_METRICS.items():
+            if metric.startswith("ratio_"):
+                a, b = pr[name][metric], cr[name][metric]
+            else:
+                a, b = _get(prev["policies"][name], metric), _get(cur["policies"][name], metric)
+            if a is None:
+                continue
+            if b is None:
+                out.append(Regression(name, metric, a, None, None))
+                continue
+            delta = (b - a) if worse == "higher" else (a - b)
+            if delta <= min_abs:
+                continue
+            change = delta / abs(a) if a else math.inf
+            if change > tol(metric):
+                out.append(Regression(name, metric, a, b, change))
+    return out

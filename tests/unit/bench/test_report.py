@@ -1,0 +1,176 @@
+"""Density reports from synthetic results (no VM): JSON contract, tables, plots, nightly check."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from rich.console import Console
+
+from azqemu.bench import report
+from azqemu.errors import ConfigError
+
+MIB = 1 << 20
+
+
+def synthetic(seed: int = 0, with_extras: bool = True) -> dict:
+    rng = np.random.default_rng(seed)
+    owned = {"none": 2048, "none-cow": 1024, "linux": 512, "azqemu": 128}
+    lat = {"none": 1.0, "none-cow": 1.0, "linux": 1.3, "azqemu": 1.1}
+    pols = {}
+    for name, mib in owned.items():
+        lats = (lat[name] * rng.lognormal(0, 0.3, 200)).tolist()
+        pol = {
+            "owned_bytes_avg": mib * MIB, "owned_bytes_peak": int(mib * 1.5 * MIB),
+            "host_used_bytes_avg": (mib + 700) * MIB,
+            "tool_latency_s": {"median": float(np.median(lats)), "p95": float(np.percentile(lats, 95))},
+            "compress_s_total": 0.0 if name.startswith("none") else 12.5,
+            "restore_s_total": 0.0 if name.startswith("none") else 3.25,
+        }
+        if with_extras:
+            t = np.arange(0, 60, 0.5)
+            pol["series"] = {"t_s": t.tolist(),
+                             "owned_bytes": (mib * MIB * (1 + 0.3 * np.sin(t / 5))).tolist(),
+                             "host_used_bytes": ((mib + 700) * MIB + 0 * t).tolist()}
+            pol["tool_latencies_s"] = lats
+            pol["qemu_own_bytes_avg"] = np.float64(60 * MIB)      # numpy values must serialise
+        pols[name] = pol
+    res = {"workload": "coding-agent", "sandboxes": 8, "policies": pols}
+    if with_extras:
+        res.update(template_bytes=512 * MIB, seed=1, scale="full")
+    return res
+
+
+def test_ratios_against_both_baselines() -> None:
+    r = report.ratios(synthetic())
+    assert r["azqemu"]["ratio_vs_none"] == 16.0 and r["azqemu"]["ratio_vs_none_cow"] == 8.0
+    assert r["linux"]["ratio_vs_none_cow"] == 2.0 and r["none-cow"]["ratio_vs_none_cow"] == 1.0
+    assert r["none-cow"]["slowdown_vs_none_cow"] == 1.0
+    assert 1.0 < r["linux"]["slowdown_vs_none_cow"] < 2.0
+    res = synthetic()
+    del res["policies"]["none"]
+    assert report.ratios(res)["azqemu"]["ratio_vs_none"] is None
+
+
+def test_markdown_table() -> None:
+    md = report.markdown_table(synthetic())
+    lines = md.splitlines()
+    assert lines[0] == "### density: coding-agent, 8 sandboxes (scale full, seed 1)"
+    header = lines[2]
+    assert header.startswith("| policy | owned avg MiB | owned peak MiB |") and "vs none-cow" in header
+    rows = [ln for ln in lines if ln.startswith("| ") and not ln.startswith("| policy")]
+    assert [r.split("|")[1].strip() for r in rows] == ["none", "none-cow", "linux", "azqemu"]
+    az = rows[3].split("|")
+    assert az[2].strip() == "128.0" and az[5].strip() == "16.00x" and az[6].strip() == "8.00x"
+    assert "Template RAM image, counted once: 512.0 MiB." in md
+    assert "QEMU's own memory per sandbox (not in owned): 60.0-60.0 MiB." in md
+
+
+def test_missing_baseline_shows_a_dash() -> None:
+    res = synthetic(with_extras=False)
+    del res["policies"]["none"]
+    row = next(ln for ln in report.markdown_table(res).splitlines() if ln.startswith("| azqemu"))
+    assert row.split("|")[5].strip() == "—"
+
+
+def test_rich_table_prints() -> None:
+    buf = io.StringIO()
+    report.print_table(synthetic(), console=Console(file=buf, width=200, color_system=None))
+    out = buf.getvalue()
+    assert "coding-agent" in out and "azqemu" in out and "16.0×" in out
+
+
+def test_write_report_files(tmp_path: Path) -> None:
+    files = report.write_report(synthetic(), tmp_path / "out")
+    data = json.loads(files.json.read_text())
+    # The contract keys are all there, untouched, with the ratios added beside them.
+    pol = data["policies"]["azqemu"]
+    for key in report.REQUIRED_POLICY_KEYS:
+        assert key in pol
+    assert pol["owned_bytes_avg"] == 128 * MIB and pol["ratio_vs_none_cow"] == 8.0
+    assert pol["qemu_own_bytes_avg"] == 60 * MIB
+    assert data["workload"] == "coding-agent" and data["sandboxes"] == 8
+    assert files.markdown.read_text().startswith("### density")
+    for png in (files.memory_png, files.latency_png):
+        assert png is not None and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_plots_are_skipped_without_series(tmp_path: Path) -> None:
+    files = report.write_report(synthetic(with_extras=False), tmp_path)
+    assert files.memory_png is None and files.latency_png is None
+    assert not (tmp_path / "density-memory.png").exists()
+
+
+def test_json_is_strict() -> None:
+    res = synthetic(with_extras=False)
+    res["policies"]["linux"]["restore_s_total"] = math.nan
+    res["policies"]["linux"]["series"] = {"t_s": np.arange(3), "owned_bytes": [1.0, float("inf"), 2.0]}
+    text = report.to_json(res)
+    data = json.loads(text)
+    assert data["policies"]["linux"]["restore_s_total"] is None
+    assert data["policies"]["linux"]["series"]["owned_bytes"] == [1.0, None, 2.0]
+    assert "NaN" not in text and "Infinity" not in text
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda r: r.pop("workload"), "density result: missing key 'workload'"),
+    (lambda r: r.update(policies={}), "density result: 'policies' must be a non-empty object"),
+    (lambda r: r["policies"]["linux"].pop("owned_bytes_peak"), "density result: policies.linux has no 'owned_bytes_peak'"),
+    (lambda r: r["policies"]["linux"].update(tool_latency_s={"median": 1}),
+     "density result: policies.linux.tool_latency_s needs median and p95"),
+])
+def test_bad_results_are_refused(mutate, message: str) -> None:
+    res = synthetic(with_extras=False)
+    mutate(res)
+    with pytest.raises(ConfigError) as exc:
+        report.markdown_table(res)
+    assert str(exc.value) == message
+
+
+def test_compare_nightly_same_is_clean() -> None:
+    assert report.compare_nightly(synthetic(), synthetic()) == []
+
+
+def test_compare_nightly_flags_regressions() -> None:
+    prev = synthetic(with_extras=False)
+    cur = copy.deepcopy(prev)
+    cur["policies"]["azqemu"]["owned_bytes_avg"] = int(128 * 1.25 * MIB)      # 25% more memory
+    cur["policies"]["linux"]["tool_latency_s"]["p95"] *= 1.5                  # 50% slower tail
+    cur["policies"]["none"]["owned_bytes_peak"] += MIB // 2                    # below the 1 MiB floor
+    cur["policies"]["azqemu"]["compress_s_total"] *= 3                        # not a nightly metric
+    del cur["policies"]["none-cow"]
+    regs = report.compare_nightly(prev, cur, tolerance=0.10)
+    got = {(r.policy, r.metric) for r in regs}
+    assert ("azqemu", "owned_bytes_avg") in got
+    assert ("azqemu", "ratio_vs_none") in got                # the ratio fell with it
+    assert ("linux", "tool_latency_s.p95") in got
+    assert ("none-cow", "policy") in got
+    assert ("none", "owned_bytes_peak") not in got
+    assert all(r.metric != "compress_s_total" for r in regs)
+    reg = next(r for r in regs if (r.policy, r.metric) == ("azqemu", "owned_bytes_avg"))
+    assert reg.change == pytest.approx(0.25)
+    assert str(reg) == f"azqemu: owned_bytes_avg {128 * MIB:g} -> {int(160 * MIB):g} (+25% worse)"
+    # Improvements are never regressions.
+    better = copy.deepcopy(prev)
+    better["policies"]["azqemu"]["owned_bytes_avg"] = 64 * MIB
+    assert report.compare_nightly(prev, better) == []
+
+
+def test_compare_nightly_per_metric_tolerance() -> None:
+    prev = synthetic(with_extras=False)
+    cur = copy.deepcopy(prev)
+    cur["policies"]["linux"]["tool_latency_s"]["median"] *= 1.3
+    assert report.compare_nightly(prev, cur, tolerance={"tool_latency_s.median": 0.5, "*": 0.1}) == []
+    assert [r.metric for r in report.compare_nightly(prev, cur, tolerance=0.1)] == ["tool_latency_s.median"]
+
+
+def test_compare_nightly_refuses_different_runs() -> None:
+    prev, cur = synthetic(with_extras=False), synthetic(with_extras=False)
+    cur["sandboxes"] = 16
+    with pytest.raises(ConfigError, match=r"^cannot compare density results: sandboxes 8 vs 16$"):
+        report.compare_nightly(prev, cur)
