@@ -1,0 +1,108 @@
+"""Byte accounting of the page store: per sandbox, per sharing domain, per host.
+
+What a sandbox owns (DESIGN.md, "Benchmark definitions"):
+- ``private_bytes``: blobs only it references (payload plus the blob's metadata: its table row,
+  its entry in the duplicate index and its entries in the similarity index);
+- ``shared_bytes``: for every blob it shares, cost / refcount per reference it holds; an SDELTA
+  blob's own reference to its base is passed on to the SDELTA blob's holders the same way;
+- ``index_bytes``: its index entries and its list of RAW pages;
+- ``raw_bytes``: pages left resident because nothing was profitable, 4096 each.
+The shares are exact fractions of byte counts, so they are floats; summed over the sandboxes of
+a domain they give the domain's bytes (tests check this).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from azqemu.memory.blobtable import BLOB_DTYPE, DUP_INDEX_ENTRY_BYTES, BlobTable, DomainState
+from azqemu.memory.kinds import PAGE_SIZE
+
+
+@dataclass(frozen=True)
+class OwnedBytes:
+    private_bytes: float
+    shared_bytes: float
+    index_bytes: int
+    raw_bytes: int
+    raw_pages: int
+    stored_pages: int
+
+    @property
+    def total_bytes(self) -> float:
+        return self.private_bytes + self.shared_bytes + self.index_bytes + self.raw_bytes
+
+    def as_dict(self) -> dict[str, float | int]:
+        d = asdict(self)
+        d["total_bytes"] = self.total_bytes
+        return d
+
+
+@dataclass(frozen=True)
+class DomainBytes:
+    domain: str
+    sandboxes: int
+    blob_bytes: int          # payloads + blob metadata of the domain's live blobs
+    payload_bytes: int       # payloads alone
+    index_bytes: int
+    raw_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.blob_bytes + self.index_bytes + self.raw_bytes
+
+    def as_dict(self) -> dict[str, int | str]:
+        d = asdict(self)
+        d["total_bytes"] = self.total_bytes
+        return d
+
+
+@dataclass(frozen=True)
+class StoreBytes:
+    domains: int
+    sandboxes: int
+    total_bytes: int           # sum over domains
+    arena_used_bytes: int      # arena bytes written (live + dead, before compaction)
+    arena_live_bytes: int
+    template_bytes: int        # the templates' own data pages, reported separately
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def blob_costs(table: BlobTable, d: DomainState) -> np.ndarray:
+    """Cost of each blob id of domain ``d`` (0 for others): payload + metadata bytes."""
+    n = table.n
+    rows = table.rows[:n]
+    live = (rows["refcount"] > 0) & (rows["domain"] == d.did)
+    cost = rows["length"].astype(np.float64) + BLOB_DTYPE.itemsize + DUP_INDEX_ENTRY_BYTES
+    cost += table.sim_entries_per_blob(d) * table.sim_entry_bytes(d)
+    return np.where(live, cost, 0.0)
+
+
+def sandbox_shares(table: BlobTable, cost: np.ndarray, refs: np.ndarray) -> tuple[float, float]:
+    """(private, shared) bytes for a sandbox holding one reference to each blob in ``refs``."""
+    if len(refs) == 0:
+        return 0.0, 0.0
+    refs = refs.astype(np.int64)
+    rows = table.rows
+    rc = rows["refcount"][refs].astype(np.float64)
+    own = cost[refs] / rc
+    based = rows["reftype"][refs] == 2
+    if based.any():
+        base = rows["ref"][refs[based]].astype(np.int64)
+        own[based] += cost[base] / rows["refcount"][base].astype(np.float64) / rc[based]
+    single = rc == 1
+    # A based blob held once still shares its base: split exactly by where the bytes sit.
+    private = float(own[single & ~based].sum())
+    if (single & based).any():
+        sb = refs[single & based]
+        private += float(cost[sb].sum())
+    shared = float(own.sum()) - private
+    return private, shared
+
+
+def raw_page_bytes(n_raw: int) -> int:
+    return n_raw * PAGE_SIZE

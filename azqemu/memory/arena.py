@@ -1,0 +1,206 @@
+"""Arenas: large files (on tmpfs) that hold the encoded pages back to back.
+
+Encoded pages never live as one Python object each: payloads are appended to the current
+arena file through a shared writable mmap (mmap(2) MAP_SHARED of a file we ftruncate(2)d to
+its capacity; on tmpfs untouched capacity allocates nothing). A blob is addressed by
+(arena id, offset, length) in the store's blob table.
+
+Freed blobs leave dead bytes behind. An arena that holds only dead bytes is unlinked; one whose
+live share falls below ``COMPACT_LIVE_FRACTION`` is compacted by the store, which moves its
+live blobs to the current arena (it owns the table of locations) and then drops the file.
+
+On-disk form of an arena file: a 4 KiB header page, then payloads.
+    header: magic "AZQARENA" | u32 version | u32 arena id | 16 bytes store uuid |
+            u64 capacity | u64 xxh64 of the preceding header bytes
+The header binds the file to its store: an arena of another store is refused as foreign.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+from azqemu.errors import StoreCorrupt, StoreForeign
+
+ARENA_MAGIC = b"AZQARENA"
+ARENA_VERSION = 1
+ARENA_HEADER_BYTES = 4096
+_HEADER = struct.Struct("<8sII16sQ")
+_HEADER_SUM = struct.Struct("<Q")
+# 64 MiB: large enough that a sandbox's pages fill few files, small enough that compaction
+# copies little at a time. u32 offsets bound it to 4 GiB.
+DEFAULT_ARENA_BYTES = 64 << 20
+MAX_ARENA_BYTES = 1 << 32
+# Compact an arena (not the one being filled) once less than this share of it is live:
+# "empirically set" trade-off between copy work and dead tmpfs memory.
+COMPACT_LIVE_FRACTION = 0.5
+
+
+@dataclass
+class Arena:
+    arena_id: int
+    path: Path
+    capacity: int
+    used: int          # write pointer (bytes from the start of the file, header included)
+    live: int          # bytes of payloads still referenced
+    fd: int
+    mm: mmap.mmap
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.used - ARENA_HEADER_BYTES
+
+
+def _header_bytes(arena_id: int, store_uuid: bytes, capacity: int) -> bytes:
+    head = _HEADER.pack(ARENA_MAGIC, ARENA_VERSION, arena_id, store_uuid, capacity)
+    return head + _HEADER_SUM.pack(xxhash.xxh64_intdigest(head))
+
+
+class ArenaSet:
+    """The arena files of one store directory."""
+
+    def __init__(self, root: Path, store_uuid: bytes, arena_bytes: int = DEFAULT_ARENA_BYTES) -> None:
+        if not ARENA_HEADER_BYTES < arena_bytes <= MAX_ARENA_BYTES:
+            raise ValueError("arena size out of range")
+        self.root = root
+        self.store_uuid = store_uuid
+        self.arena_bytes = arena_bytes
+        self.arenas: dict[int, Arena] = {}
+        self.current: Arena | None = None
+        self._next_id = 0
+
+    @staticmethod
+    def file_name(arena_id: int) -> str:
+        return f"arena-{arena_id:06d}.azq"
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def _new_arena(self) -> Arena:
+        arena_id = self._next_id
+        self._next_id += 1
+        path = self.root / self.file_name(arena_id)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, self.arena_bytes)
+            os.pwrite(fd, _header_bytes(arena_id, self.store_uuid, self.arena_bytes), 0)
+            mm = mmap.mmap(fd, self.arena_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        arena = Arena(arena_id, path, self.arena_bytes, ARENA_HEADER_BYTES, 0, fd, mm)
+        self.arenas[arena_id] = arena
+        self.current = arena
+        return arena
+
+    def open_existing(self, arena_id: int, used: int, live: int) -> Arena:
+        """Reopen an arena file after checking its header (used/live come from the store meta)."""
+        path = self.root / self.file_name(arena_id)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError as err:
+            raise StoreCorrupt(str(path), f"arena file missing: {err.strerror}") from err
+        try:
+            size = os.fstat(fd).st_size
+            head = os.pread(fd, _HEADER.size + _HEADER_SUM.size, 0)
+            if len(head) < _HEADER.size + _HEADER_SUM.size or head[:8] != ARENA_MAGIC:
+                raise StoreForeign(str(path), "no arena magic")
+            magic, version, aid, uuid, capacity = _HEADER.unpack_from(head)
+            (hsum,) = _HEADER_SUM.unpack_from(head, _HEADER.size)
+            if version != ARENA_VERSION:
+                raise StoreForeign(str(path), f"arena version {version}, this azqemu reads {ARENA_VERSION}")
+            if hsum != xxhash.xxh64_intdigest(head[:_HEADER.size]):
+                raise StoreCorrupt(str(path), "arena header checksum mismatch")
+            if uuid != self.store_uuid:
+                raise StoreForeign(str(path), "arena belongs to another store")
+            if aid != arena_id or not ARENA_HEADER_BYTES < capacity <= MAX_ARENA_BYTES or size != capacity:
+                raise StoreCorrupt(str(path), "arena header does not match the store")
+            if not ARENA_HEADER_BYTES <= used <= capacity or not 0 <= live <= used - ARENA_HEADER_BYTES:
+                raise StoreCorrupt(str(path), "arena fill level out of bounds")
+            mm = mmap.mmap(fd, capacity, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        arena = Arena(arena_id, path, capacity, used, live, fd, mm)
+        self.arenas[arena_id] = arena
+        self._next_id = max(self._next_id, arena_id + 1)
+        return arena
+
+    def close(self) -> None:
+        for a in self.arenas.values():
+            try:
+                a.mm.close()
+            finally:
+                os.close(a.fd)
+        self.arenas.clear()
+        self.current = None
+
+    def flush(self) -> None:
+        for a in self.arenas.values():
+            a.mm.flush()       # msync(2): a no-op on tmpfs, real on a disk-backed store
+
+    # -- data -------------------------------------------------------------------------------
+    def append(self, payloads: list[bytes]) -> list[tuple[int, int]]:
+        """Append payloads; returns (arena id, offset) per payload. Runs of payloads that fit
+        the current arena are written with one copy."""
+        out: list[tuple[int, int]] = []
+        i = 0
+        n = len(payloads)
+        while i < n:
+            a = self.current
+            if a is None or a.used + len(payloads[i]) > a.capacity:
+                a = self._new_arena()
+            room = a.capacity - a.used
+            j, size = i, 0
+            while j < n and size + len(payloads[j]) <= room:
+                size += len(payloads[j])
+                j += 1
+            if j == i:
+                raise ValueError("payload larger than an arena")
+            start = a.used
+            a.mm[start:start + size] = b"".join(payloads[i:j])
+            pos = start
+            for k in range(i, j):
+                out.append((a.arena_id, pos))
+                pos += len(payloads[k])
+            a.used += size
+            a.live += size
+            i = j
+        return out
+
+    def read(self, arena_id: int, offset: int, length: int) -> bytes:
+        a = self.arenas.get(arena_id)
+        if a is None or offset < ARENA_HEADER_BYTES or offset + length > a.used:
+            raise StoreCorrupt(str(self.root), f"blob location {arena_id}:{offset}+{length} out of bounds")
+        return a.mm[offset:offset + length]
+
+    def release(self, arena_id: int, length: int) -> None:
+        a = self.arenas[arena_id]
+        a.live -= length
+        if a.live <= 0 and a is not self.current:
+            self.drop(arena_id)
+
+    def drop(self, arena_id: int) -> None:
+        a = self.arenas.pop(arena_id)
+        a.mm.close()
+        os.close(a.fd)
+        try:
+            os.unlink(a.path)
+        except FileNotFoundError:
+            pass
+
+    def compaction_candidates(self) -> list[int]:
+        return [a.arena_id for a in self.arenas.values()
+                if a is not self.current and a.payload_bytes > 0
+                and a.live < COMPACT_LIVE_FRACTION * a.payload_bytes]
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(a.payload_bytes for a in self.arenas.values())
+
+    @property
+    def live_bytes(self) -> int:
+        return sum(a.live for a in self.arenas.values())

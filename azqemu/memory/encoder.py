@@ -1,0 +1,347 @@
+"""The encoder: choose one representation per page, cheap kinds vectorised, the rest per page.
+
+Order of decisions, cheapest first:
+1. ZERO and TEMPLATE over all pages at once (numpy, pages compared as uint64 words, in chunks
+   so the template pages gathered for comparison stay small);
+2. one XXH3-128 per remaining page, then DUP against the template at any address, against
+   the blobs already stored in the sharing domain, and within the batch; every DUP found by
+   hash is confirmed byte for byte (a guest could craft XXH3 collisions);
+3. the pages left go through the per-page codecs: plain zstd always; XOR+zstd against the
+   same-address template page when enough 64-bit words are unchanged; zstd with the template
+   page as raw prefix (effort >= 2); SDELTA against the best candidate of the similarity
+   index (template pages elsewhere, or the domain's blobs). The smallest payload whose decode
+   cost fits the budget wins; a delta must beat plain zstd by ``DELTA_MIN_GAIN_BYTES`` since it
+   pins its reference; above ``RAW_THRESHOLD_BYTES`` the page stays RAW.
+
+The encoder only plans; the store commits the plan (arena writes, blob table, references).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from azqemu.memory.kinds import (
+    DECODE_COST_US,
+    DEFAULT_DECODE_BUDGET_US,
+    PAGE_SIZE,
+    RAW_THRESHOLD_BYTES,
+    Kind,
+    Method,
+    RefType,
+)
+from azqemu.memory.pagehash import page_hashes_rows
+from azqemu.memory.simindex import SimilarityIndex, sample_fingerprints
+from azqemu.memory.template import TemplateImage
+from azqemu.memory.zstdlib import PageZstd
+
+# Pages per vectorised classification step: 1 MiB of pages plus as much template data, so
+# the gathered template pages are still in cache when they are compared.
+CLASSIFY_CHUNK_PAGES = 256
+# Try XOR against a reference only when at least this many of the 512 words are unchanged:
+# below that the XOR stream is about as random as the page and zstd of it only costs time.
+XOR_MIN_SAME_WORDS = 32
+# A delta must save this many bytes over plain zstd, because it keeps its reference alive
+# (an SDELTA base blob cannot be freed while the delta exists).
+DELTA_MIN_GAIN_BYTES = 16
+# Encoder effort: 1 = zstd, XOR deltas, SDELTA, and the template page as zstd prefix only for
+# pages related to it (a sampled block in common, or some unchanged words); 2 = the prefix
+# attempt for every page with a non-zero same-address template page. On the synthetic corpus
+# effort 2 saved 0.1% of the bytes for 10-15% more encode time (tests/perf/test_codec_perf.py).
+DEFAULT_EFFORT = 1
+# "Some unchanged words" for effort 1: 8 of 512 aligned words equal is unlikely by chance.
+PREFIX_MIN_SAME_WORDS = 8
+# A delta this small is not going to be beaten by plain zstd by DELTA_MIN_GAIN_BYTES: skip
+# the plain attempt (~0.5% of a page).
+TINY_DELTA_BYTES = 24
+
+# Unique pages are encoded in chunks through persistent scratch buffers (5 x 2 MiB): fresh
+# large allocations page-fault on every batch, which costs more than the copy itself here.
+UNIQUE_CHUNK_PAGES = 512
+# Below this many bytes a payload is not worth a further (costlier) attempt.
+SMALL_ENOUGH_BYTES = 64
+
+_K_ZSTD, _K_TDELTA, _K_SDELTA, _K_RAW = int(Kind.ZSTD), int(Kind.TDELTA), int(Kind.SDELTA), int(Kind.RAW)
+_M_ZSTD, _M_XOR, _M_PREFIX = int(Method.ZSTD), int(Method.XOR), int(Method.PREFIX)
+_R_NONE, _R_TEMPLATE, _R_BLOB = int(RefType.NONE), int(RefType.TEMPLATE), int(RefType.BLOB)
+
+# Plan target kinds (what ``Plan.target`` holds for a page).
+T_NONE, T_BLOB, T_NEW, T_TEMPLATE = 0, 1, 2, 3
+
+
+class DomainView(Protocol):
+    """What the encoder needs to know about the sharing domain (implemented by the store)."""
+
+    def find_dups(self, key: np.ndarray) -> np.ndarray: ...           # blob id or -1
+    def blob_page(self, blob_id: int) -> np.ndarray: ...              # verified content
+    def blob_decode_cost_us(self, blob_id: int) -> float: ...
+    def blob_is_base(self, blob_id: int) -> bool: ...                  # may serve as SDELTA base
+    def sim_index(self) -> SimilarityIndex: ...                        # sources are blob ids
+
+
+@dataclass
+class NewBlob:
+    row: int
+    method: int
+    reftype: int
+    ref: int
+    payload: bytes
+    key: int
+    check: int
+    fps: np.ndarray | None      # sample fingerprints when the blob should serve as a base
+
+
+@dataclass
+class Plan:
+    page_idx: np.ndarray              # int64, the caller's order
+    kind: np.ndarray                  # uint8 Kind per page
+    target: np.ndarray                # uint8 T_* per page
+    ref: np.ndarray                   # int64: blob id, new-blob number or template page index
+    blobs: list[NewBlob] = field(default_factory=list)
+    tries: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class EncoderOptions:
+    effort: int = DEFAULT_EFFORT
+    decode_budget_us: float = DEFAULT_DECODE_BUDGET_US
+    use_siblings: bool = True
+    raw_threshold_bytes: int = RAW_THRESHOLD_BYTES
+
+
+def classify_cheap(page_idx: np.ndarray, pages: np.ndarray, template: TemplateImage,
+                   scratch: np.ndarray | None = None) -> np.ndarray:
+    """Vectorised first pass: Kind.ZERO, Kind.TEMPLATE, or Kind.RAW meaning 'undecided'."""
+    n = len(page_idx)
+    kind = np.full(n, int(Kind.RAW), dtype=np.uint8)
+    if n == 0:
+        return kind
+    words = pages.reshape(n, PAGE_SIZE).view(np.uint64)
+    rows_all = template.rows_z(page_idx)
+    if scratch is None or len(scratch) < CLASSIFY_CHUNK_PAGES:
+        scratch = np.empty((CLASSIFY_CHUNK_PAGES, PAGE_SIZE), dtype=np.uint8)
+    tw_all = scratch.view(np.uint64)
+    for s in range(0, n, CLASSIFY_CHUNK_PAGES):
+        e = min(n, s + CLASSIFY_CHUNK_PAGES)
+        w = words[s:e]
+        tw = tw_all[:e - s]
+        # Gather the same-address template pages (holes read the zero row) into warm scratch:
+        # a chunk fits in L2/L3, so gather and compare run at cache speed.
+        np.take(template.pages_z, rows_all[s:e], axis=0, out=scratch[:e - s])
+        zero = ~w.any(axis=1)
+        same = (w == tw).all(axis=1)
+        k = kind[s:e]
+        k[same] = int(Kind.TEMPLATE)
+        k[zero] = int(Kind.ZERO)          # a zero page at a template hole is ZERO, not TEMPLATE
+    return kind
+
+
+class Encoder:
+    def __init__(self, zstd: PageZstd, options: EncoderOptions | None = None) -> None:
+        self.zstd = zstd
+        self.opt = options or EncoderOptions()
+        self._bufs: dict[str, np.ndarray] = {}
+
+    def plan(self, page_idx: np.ndarray, pages: np.ndarray, template: TemplateImage,
+             domain: DomainView | None) -> Plan:
+        page_idx = np.asarray(page_idx, dtype=np.int64)
+        pages = np.ascontiguousarray(pages, dtype=np.uint8).reshape(len(page_idx), PAGE_SIZE)
+        n = len(page_idx)
+        kind = classify_cheap(page_idx, pages, template, self._scratch("classify", CLASSIFY_CHUNK_PAGES))
+        target = np.zeros(n, dtype=np.uint8)
+        ref = np.zeros(n, dtype=np.int64)
+        plan = Plan(page_idx, kind, target, ref, tries={"zstd": 0, "xor": 0, "prefix": 0, "sdelta": 0})
+        rest = np.flatnonzero(kind == int(Kind.RAW))
+        if len(rest) == 0:
+            return plan
+        key, check = page_hashes_rows(pages, rest)
+        undecided = np.ones(len(rest), dtype=bool)
+
+        # -- DUP of a template page anywhere (confirmed bytewise, vectorised) --------------
+        trow = template.find_dups(key)
+        hit = np.flatnonzero(trow >= 0)
+        if len(hit):
+            ok = (pages[rest[hit]].view(np.uint64) == template.pages[trow[hit]].view(np.uint64)).all(axis=1)
+            h = hit[ok]
+            kind[rest[h]] = int(Kind.DUP)
+            target[rest[h]] = T_TEMPLATE
+            ref[rest[h]] = template.page_idx[trow[h]]
+            undecided[h] = False
+
+        # -- DUP of a blob of the domain (confirmed by decoding it) ---------------------------
+        if domain is not None and self.opt.use_siblings:
+            cand = np.flatnonzero(undecided)
+            bid = domain.find_dups(key[cand])
+            for j in np.flatnonzero(bid >= 0).tolist():
+                i = int(cand[j])
+                if np.array_equal(domain.blob_page(int(bid[j])), pages[rest[i]]):
+                    kind[rest[i]] = int(Kind.DUP)
+                    target[rest[i]] = T_BLOB
+                    ref[rest[i]] = int(bid[j])
+                    undecided[i] = False
+
+        # -- DUP within the batch: first occurrence is encoded, later ones point at it -------
+        cand = np.flatnonzero(undecided)
+        first_of = np.full(len(rest), -1, dtype=np.int64)
+        if len(cand) > 1:
+            _, first, inverse = np.unique(key[cand], return_index=True, return_inverse=True)
+            rep = cand[first[inverse]]
+            dup = np.flatnonzero(rep != cand)
+            if len(dup):
+                same = (pages[rest[cand[dup]]].view(np.uint64) == pages[rest[rep[dup]]].view(np.uint64)).all(axis=1)
+                first_of[cand[dup[same]]] = rep[dup[same]]
+                undecided[cand[dup[same]]] = False
+
+        # -- per-page codecs for the unique pages --------------------------------------------
+        uniq = np.flatnonzero(undecided)
+        blob_of_row = self._encode_unique(plan, pages, rest, key, check, uniq, template, domain)
+        # Later batch duplicates follow their representative (which may have become RAW).
+        for i in np.flatnonzero(first_of >= 0).tolist():
+            j = blob_of_row.get(int(first_of[i]))
+            if j is None:
+                kind[rest[i]] = int(Kind.RAW)
+            else:
+                kind[rest[i]] = int(Kind.DUP)
+                target[rest[i]] = T_NEW
+                ref[rest[i]] = j
+        return plan
+
+    def _scratch(self, name: str, rows: int) -> np.ndarray:
+        buf = self._bufs.get(name)
+        if buf is None or len(buf) < rows:
+            buf = self._bufs[name] = np.zeros((rows, PAGE_SIZE), dtype=np.uint8)
+        return buf[:rows]
+
+    def _encode_unique(self, plan: Plan, pages: np.ndarray, rest: np.ndarray, key: np.ndarray,
+                       check: np.ndarray, uniq: np.ndarray, template: TemplateImage,
+                       domain: DomainView | None) -> dict[int, int]:
+        """Encode the unique pages ``pages[rest[uniq]]``; returns {i in rest: new blob number}."""
+        blob_of_row: dict[int, int] = {}
+        sim_b = domain.sim_index() if (domain is not None and self.opt.use_siblings) else None
+        sim_t = template.simindex()
+        for s in range(0, len(uniq), UNIQUE_CHUNK_PAGES):
+            self._encode_chunk(plan, pages, rest, key, check, uniq[s:s + UNIQUE_CHUNK_PAGES], template,
+                               domain, sim_t, sim_b, blob_of_row)
+        return blob_of_row
+
+    def _encode_chunk(self, plan: Plan, pages: np.ndarray, rest: np.ndarray, key: np.ndarray,
+                      check: np.ndarray, uniq: np.ndarray, template: TemplateImage, domain: DomainView | None,
+                      sim_t: SimilarityIndex, sim_b: SimilarityIndex | None, blob_of_row: dict[int, int]) -> None:
+        opt = self.opt
+        z = self.zstd
+        fast = z.backend == "libzstd"
+        budget = opt.decode_budget_us
+        m = len(uniq)
+        prow_all = rest[uniq]
+        up = self._scratch("up", m)
+        np.take(pages, prow_all, axis=0, out=up)
+        pidx = plan.page_idx[prow_all]
+        uw = up.view(np.uint64)
+        # Same-address template page (holes and zero template pages give no TDELTA).
+        trows = template.rows(pidx)
+        has_t = trows >= 0
+        if has_t.any():
+            has_t[has_t] = ~template.is_zero[trows[has_t]]
+        tpages = self._scratch("t", m)
+        np.take(template.pages_z, np.where(trows >= 0, trows, template.zero_row), axis=0, out=tpages)
+        same_t = (uw == tpages.view(np.uint64)).sum(axis=1)
+        do_xor_t = has_t & (same_t >= XOR_MIN_SAME_WORDS)
+        xpages = self._scratch("x", m)
+        np.bitwise_xor(up, tpages, out=xpages)
+        # Similarity candidates: template pages elsewhere, then the domain's blobs.
+        fps = sample_fingerprints(up)
+        cand_t, votes_t = sim_t.query(fps, exclude=pidx)
+        related_t = has_t & (sim_t.excluded_hit | (same_t >= PREFIX_MIN_SAME_WORDS))
+        if sim_b is not None:
+            cand_b, votes_b = sim_b.query(fps)
+        else:
+            cand_b, votes_b = np.full(m, -1, np.int64), np.zeros(m, np.int64)
+        use_b = (votes_b > votes_t) & (cand_b >= 0)
+        s_kind = np.where(cand_t >= 0, 1, 0).astype(np.uint8)
+        s_ref = cand_t.copy()
+        s_cost = np.zeros(m)
+        sref = self._scratch("s", m)
+        np.take(template.pages_z, template.rows_z(np.maximum(cand_t, 0)), axis=0, out=sref)
+        if domain is not None:
+            for i in np.flatnonzero(use_b).tolist():
+                b = int(cand_b[i])
+                if not domain.blob_is_base(b):
+                    continue
+                sref[i] = domain.blob_page(b)
+                s_kind[i], s_ref[i] = 2, b
+                s_cost[i] = domain.blob_decode_cost_us(b)
+        has_s = s_kind > 0
+        same_s = (uw == sref.view(np.uint64)).sum(axis=1)
+        do_xor_s = has_s & (same_s >= XOR_MIN_SAME_WORDS)
+        spx = self._scratch("sx", m)
+        np.bitwise_xor(up, sref, out=spx)
+
+        base_up, base_t, base_x = up.ctypes.data, tpages.ctypes.data, xpages.ctypes.data
+        base_s, base_sx = sref.ctypes.data, spx.ctypes.data
+        try_prefix_t = (has_t if opt.effort >= 2 else related_t).tolist()
+        do_xor_t_l, has_s_l, do_xor_s_l = do_xor_t.tolist(), has_s.tolist(), do_xor_s.tolist()
+        s_kind_l, s_ref_l, s_cost_l = s_kind.tolist(), s_ref.tolist(), s_cost.tolist()
+        pidx_l, uniq_l, prow_l = pidx.tolist(), uniq.tolist(), prow_all.tolist()
+        tries = plan.tries
+        kind = plan.kind
+        c_x, c_p = DECODE_COST_US[Method.XOR], DECODE_COST_US[Method.PREFIX]
+        raw_limit = opt.raw_threshold_bytes
+        xor_ok, prefix_ok = c_x <= budget, c_p <= budget
+        new_rows: list[int] = []
+        for i in range(m):
+            off = i * PAGE_SIZE
+            # XOR first when it is promising: a tiny XOR delta makes every other attempt moot.
+            best = b""
+            if do_xor_t_l[i] and xor_ok:
+                best = z.compress_addr(base_x + off) if fast else z.compress(xpages[i])
+                tries["xor"] += 1
+                b_kind, b_method, b_reftype, b_ref = _K_TDELTA, _M_XOR, _R_TEMPLATE, pidx_l[i]
+                limit = len(best)
+            if not best or len(best) > TINY_DELTA_BYTES:
+                pay = z.compress_addr(base_up + off) if fast else z.compress(up[i])
+                tries["zstd"] += 1
+                if not best or len(pay) - DELTA_MIN_GAIN_BYTES <= len(best):
+                    best = pay
+                    b_kind, b_method, b_reftype, b_ref = _K_ZSTD, _M_ZSTD, _R_NONE, 0
+                    limit = len(best) - DELTA_MIN_GAIN_BYTES
+            if try_prefix_t[i] and prefix_ok and limit > SMALL_ENOUGH_BYTES:
+                pay = z.compress_addr(base_up + off, base_t + off) if fast else z.compress(up[i], tpages[i])
+                tries["prefix"] += 1
+                if len(pay) < limit:
+                    best, limit = pay, len(pay)
+                    b_kind, b_method, b_reftype, b_ref = _K_TDELTA, _M_PREFIX, _R_TEMPLATE, pidx_l[i]
+            if has_s_l[i] and limit > SMALL_ENOUGH_BYTES:
+                rt = _R_TEMPLATE if s_kind_l[i] == 1 else _R_BLOB
+                extra = s_cost_l[i]
+                tries["sdelta"] += 1
+                if do_xor_s_l[i] and c_x + extra <= budget:
+                    pay = z.compress_addr(base_sx + off) if fast else z.compress(spx[i])
+                    if len(pay) < limit:
+                        best, limit = pay, len(pay)
+                        b_kind, b_method, b_reftype, b_ref = _K_SDELTA, _M_XOR, rt, s_ref_l[i]
+                if c_p + extra <= budget and limit > SMALL_ENOUGH_BYTES:
+                    pay = z.compress_addr(base_up + off, base_s + off) if fast else z.compress(up[i], sref[i])
+                    if len(pay) < limit:
+                        best, limit = pay, len(pay)
+                        b_kind, b_method, b_reftype, b_ref = _K_SDELTA, _M_PREFIX, rt, s_ref_l[i]
+            row = uniq_l[i]
+            prow = prow_l[i]
+            if len(best) > raw_limit:
+                kind[prow] = _K_RAW
+                continue
+            j = len(plan.blobs)
+            plan.blobs.append(NewBlob(row, b_method, b_reftype, b_ref, best, 0, 0, None))
+            blob_of_row[row] = j
+            new_rows.append(i)
+            kind[prow] = b_kind
+            plan.target[prow] = T_NEW
+            plan.ref[prow] = j
+        # Keys, checksums and fingerprints of the new blobs, filled in vectorised.
+        first = len(plan.blobs) - len(new_rows)
+        for j, i in enumerate(new_rows):
+            nb = plan.blobs[first + j]
+            nb.key, nb.check = int(key[uniq_l[i]]), int(check[uniq_l[i]])
+            if nb.reftype != _R_BLOB:     # SDELTA chains stay one deep
+                nb.fps = fps[i]

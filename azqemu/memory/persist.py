@@ -1,0 +1,136 @@
+"""On-disk form of the page store's metadata: the store file and one index file per sandbox.
+
+Both carry a magic, a version and an XXH64 checksum of their body, and every size read from
+them is checked against the file's actual length before anything is allocated (Firecracker's
+snapshot format is the model). A file without our magic or of another version is refused as
+``StoreForeign``; a damaged one as ``StoreCorrupt``. Files are replaced atomically (write to a
+temporary name, then rename(2)).
+
+    store.azq    "AZQSTORE" | u32 version | u32 flags | u64 json_len | u64 bin_len | u64 xxh64(body)
+                 body = JSON (ids, domains, templates, sandboxes, arenas) + binary (blob table,
+                 similarity indices), the binary parts' lengths given in the JSON
+    sbx-*.azqidx "AZQINDEX" | u32 version | u32 name_len | 16 bytes store uuid | u64 n_entries |
+                 u64 n_raw | u64 xxh64(body);  body = name (utf-8) | entries (14 B each) |
+                 RAW page indices (u32 each)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from azqemu.errors import StoreCorrupt, StoreForeign
+from azqemu.memory.kinds import ENTRY_DTYPE
+
+STORE_MAGIC = b"AZQSTORE"
+INDEX_MAGIC = b"AZQINDEX"
+FORMAT_VERSION = 1
+_STORE_HEAD = struct.Struct("<8sIIQQQ")
+_INDEX_HEAD = struct.Struct("<8sII16sQQQ")
+MAX_JSON_BYTES = 64 << 20
+MAX_NAME_BYTES = 4096
+STORE_FILE = "store.azq"
+
+
+def _atomic_write(path: Path, parts: list[bytes | memoryview]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        for p in parts:
+            view = memoryview(p).cast("B")
+            while len(view):
+                n = os.write(fd, view)
+                view = view[n:]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def _read_all(path: Path) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as err:
+        raise StoreCorrupt(str(path), f"cannot read: {err.strerror}") from err
+
+
+def write_store(path: Path, meta: dict[str, Any], binary: list[bytes | memoryview]) -> None:
+    js = json.dumps(meta, sort_keys=True).encode()
+    bin_len = sum(memoryview(b).nbytes for b in binary)
+    h = xxhash.xxh64(js)
+    for b in binary:
+        h.update(b)
+    head = _STORE_HEAD.pack(STORE_MAGIC, FORMAT_VERSION, 0, len(js), bin_len, h.intdigest())
+    _atomic_write(path, [head, js, *binary])
+
+
+def read_store(path: Path) -> tuple[dict[str, Any], memoryview]:
+    data = _read_all(path)
+    if len(data) < _STORE_HEAD.size or data[:8] != STORE_MAGIC:
+        raise StoreForeign(str(path), "no page-store magic")
+    _, version, _flags, js_len, bin_len, digest = _STORE_HEAD.unpack_from(data)
+    if version != FORMAT_VERSION:
+        raise StoreForeign(str(path), f"format version {version}, this azqemu reads {FORMAT_VERSION}")
+    if js_len > MAX_JSON_BYTES or _STORE_HEAD.size + js_len + bin_len != len(data):
+        raise StoreCorrupt(str(path), "section sizes do not match the file")
+    body = memoryview(data)[_STORE_HEAD.size:]
+    if xxhash.xxh64_intdigest(body) != digest:
+        raise StoreCorrupt(str(path), "checksum mismatch")
+    try:
+        meta = json.loads(bytes(body[:js_len]))
+    except ValueError as err:
+        raise StoreCorrupt(str(path), "unreadable metadata") from err
+    if not isinstance(meta, dict):
+        raise StoreCorrupt(str(path), "metadata is not an object")
+    return meta, body[js_len:]
+
+
+def index_file_name(sandbox: str) -> str:
+    return f"sbx-{xxhash.xxh64_hexdigest(sandbox.encode())}.azqidx"
+
+
+def write_index(path: Path, store_uuid: bytes, sandbox: str, records: np.ndarray, raw: np.ndarray) -> None:
+    name = sandbox.encode()
+    rec = np.ascontiguousarray(records, dtype=ENTRY_DTYPE)
+    rw = np.ascontiguousarray(raw, dtype="<u4")
+    digest = xxhash.xxh64(name)
+    digest.update(rec.tobytes())
+    digest.update(rw.tobytes())
+    head = _INDEX_HEAD.pack(INDEX_MAGIC, FORMAT_VERSION, len(name), store_uuid, len(rec), len(rw),
+                            digest.intdigest())
+    _atomic_write(path, [head, name, rec.tobytes(), rw.tobytes()])
+
+
+def read_index(path: Path, store_uuid: bytes) -> tuple[str, np.ndarray, np.ndarray]:
+    data = _read_all(path)
+    if len(data) < _INDEX_HEAD.size or data[:8] != INDEX_MAGIC:
+        raise StoreForeign(str(path), "no sandbox-index magic")
+    _, version, name_len, uuid, n_entries, n_raw, digest = _INDEX_HEAD.unpack_from(data)
+    if version != FORMAT_VERSION:
+        raise StoreForeign(str(path), f"index version {version}, this azqemu reads {FORMAT_VERSION}")
+    if uuid != store_uuid:
+        raise StoreForeign(str(path), "index belongs to another store")
+    size = len(data) - _INDEX_HEAD.size
+    # Bound every count by the file's real size before computing offsets with it.
+    if (name_len > MAX_NAME_BYTES or n_entries > size // ENTRY_DTYPE.itemsize or n_raw > size // 4
+            or name_len + n_entries * ENTRY_DTYPE.itemsize + n_raw * 4 != size):
+        raise StoreCorrupt(str(path), "section sizes do not match the file")
+    body = memoryview(data)[_INDEX_HEAD.size:]
+    if xxhash.xxh64_intdigest(body) != digest:
+        raise StoreCorrupt(str(path), "checksum mismatch")
+    try:
+        name = bytes(body[:name_len]).decode()
+    except UnicodeDecodeError as err:
+        raise StoreCorrupt(str(path), "bad sandbox name") from err
+    off = name_len
+    rec = np.frombuffer(body, dtype=ENTRY_DTYPE, count=n_entries, offset=off).copy()
+    off += n_entries * ENTRY_DTYPE.itemsize
+    raw = np.frombuffer(body, dtype="<u4", count=n_raw, offset=off).copy()
+    return name, rec, raw

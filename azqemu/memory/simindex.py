@@ -1,0 +1,118 @@
+"""Similarity index of sampled block hashes (Difference Engine style) for SDELTA bases.
+
+Difference Engine (Gupta et al., OSDI'08) finds candidate reference pages by hashing a few
+64-byte blocks at fixed offsets of every page: two pages that share one of those blocks at the
+same offset are likely to be versions of each other. We do the same, vectorised: the
+fingerprint of a block is a multiply-xorshift mix of its eight 64-bit words computed with
+numpy over all pages at once, the index is a sorted array of fingerprints searched with
+``np.searchsorted``, and a query page takes the candidate that matches the most samples.
+
+Blocks whose eight words are all equal (zero runs, fill patterns) match too many unrelated
+pages to say anything and are not sampled (fingerprint 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from azqemu.memory.kinds import WORDS_PER_PAGE
+
+# Sample blocks: 8 words (64 bytes) at word offsets spread over the page. The offsets are
+# arbitrary but fixed (they are part of nothing on disk; changing them only changes which
+# candidates are found). Four samples instead of Difference Engine's two: each is cheap here
+# and recall on partly rewritten pages improves markedly (measured on the synthetic corpus).
+SAMPLE_WORD_OFFSETS = (27, 141, 290, 433)
+SAMPLE_WORDS = 8
+N_SAMPLES = len(SAMPLE_WORD_OFFSETS)
+assert all(o + SAMPLE_WORDS <= WORDS_PER_PAGE for o in SAMPLE_WORD_OFFSETS)
+
+_MIX = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0x85EBCA77C2B2AE63,
+                 0x27D4EB2F165667C5, 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53, 0xD6E8FEB86659FD93],
+                dtype=np.uint64)
+_SLOT = np.array([0x0, 0x5851F42D4C957F2D, 0x14057B7EF767814F, 0x2545F4914F6CDD1D], dtype=np.uint64)
+
+
+def sample_fingerprints(pages: np.ndarray) -> np.ndarray:
+    """(n, N_SAMPLES) uint64 fingerprints of the sample blocks; 0 where a block is constant."""
+    n = len(pages)
+    out = np.zeros((n, N_SAMPLES), dtype=np.uint64)
+    if n == 0:
+        return out
+    words = np.ascontiguousarray(pages).view(np.uint64)
+    with np.errstate(over="ignore"):
+        for k, off in enumerate(SAMPLE_WORD_OFFSETS):
+            blk = words[:, off:off + SAMPLE_WORDS]
+            h = (blk * _MIX).sum(axis=1, dtype=np.uint64)      # wraps mod 2^64 on purpose
+            h ^= h >> np.uint64(31)
+            h *= np.uint64(0xBF58476D1CE4E5B9)
+            h ^= h >> np.uint64(29)
+            h ^= _SLOT[k]                                       # a match must be at the same offset
+            h |= np.uint64(1)                                   # 0 is reserved for "not sampled"
+            const = (blk == blk[:, :1]).all(axis=1)
+            h[const] = 0
+            out[:, k] = h
+    return out
+
+
+@dataclass
+class SimilarityIndex:
+    """Sorted sample fingerprints -> source ids (template page index or blob id)."""
+
+    keys: np.ndarray     # uint64, sorted
+    sources: np.ndarray  # int64 or uint32, aligned with keys
+    excluded_hit: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool), repr=False)
+
+    @classmethod
+    def build(cls, fps: np.ndarray, sources: np.ndarray) -> SimilarityIndex:
+        fps = np.asarray(fps, dtype=np.uint64).reshape(len(sources), -1)
+        flat = fps.reshape(-1)
+        src = np.repeat(np.asarray(sources), fps.shape[1])      # keeps the caller's dtype
+        keep = flat != 0
+        flat, src = flat[keep], src[keep]
+        order = np.argsort(flat, kind="stable")
+        return cls(flat[order], src[order])
+
+    @classmethod
+    def empty(cls) -> SimilarityIndex:
+        return cls(np.zeros(0, np.uint64), np.zeros(0, np.int64))
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.keys.nbytes + self.sources.nbytes)
+
+    def query(self, fps: np.ndarray, exclude: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Best candidate per query row and its number of matching samples (-1, 0 if none).
+
+        ``exclude`` (one source id per row, or None) removes a candidate such as the page's own
+        same-address template page, which TDELTA covers already; ``self.excluded_hit`` then
+        tells which rows matched their excluded source (a sign the two pages are related).
+        """
+        n = len(fps)
+        self.excluded_hit = np.zeros(n, dtype=bool)
+        if n == 0 or len(self.keys) == 0:
+            return np.full(n, -1, np.int64), np.zeros(n, np.int64)
+        pos = np.searchsorted(self.keys, fps)
+        pos_c = np.minimum(pos, len(self.keys) - 1)
+        hit = (self.keys[pos_c] == fps) & (fps != 0)
+        cand = np.where(hit, self.sources[pos_c], -1)
+        if exclude is not None:
+            # A duplicated fingerprint may hide a second candidate behind the excluded one:
+            # look one slot further for those rows.
+            ex = cand == np.asarray(exclude, dtype=np.int64)[:, None]
+            self.excluded_hit = ex.any(axis=1)
+            if ex.any():
+                nxt = np.minimum(pos_c + 1, len(self.keys) - 1)
+                alt_hit = hit & (self.keys[nxt] == fps) & (self.sources[nxt] != cand)
+                cand = np.where(ex, np.where(alt_hit, self.sources[nxt], -1), cand)
+        valid = cand >= 0
+        votes = np.zeros(cand.shape, dtype=np.int64)
+        for k in range(cand.shape[1]):
+            votes[:, k] = ((cand == cand[:, k:k + 1]) & valid).sum(axis=1) * valid[:, k]
+        best = votes.argmax(axis=1)
+        rows = np.arange(n)
+        return cand[rows, best], votes[rows, best]

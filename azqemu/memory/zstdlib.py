@@ -1,0 +1,202 @@
+"""zstd for single 4 KiB pages, with and without a reference page as raw-content prefix.
+
+Two interchangeable backends produce and read the same frames (zstd format, RFC 8878, in its
+magicless variant: every payload is a page, so the 4-byte magic is dead weight):
+
+- ``libzstd`` through ctypes (the system's libzstd.so.1, stable ABI >= 1.4): it can reference
+  a prefix without building a dictionary object (``ZSTD_CCtx_refPrefix`` /
+  ``ZSTD_DCtx_refPrefix``), which is 2-3x cheaper per page than python-zstandard's dictionary
+  path, and it decompresses straight into the caller's buffer;
+- ``python-zstandard`` (the fallback when libzstd.so.1 cannot be loaded), with
+  ``DICT_TYPE_RAWCONTENT`` passed explicitly so that a reference page that happens to begin
+  with the dictionary magic 0xEC30A437 is still taken as raw content.
+
+A prefix and a raw-content dictionary are the same thing in the zstd format, so frames made by
+one backend decode with the other (a unit test checks it). Contexts are per thread: zstd
+contexts are not thread-safe, and the decode path runs in a fault-handler thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import threading
+from typing import Any
+
+import numpy as np
+import zstandard
+
+from azqemu.errors import StoreCorrupt
+from azqemu.memory.kinds import PAGE_SIZE
+
+DEFAULT_LEVEL = 1
+# Worst-case frame size of one page (ZSTD_compressBound(4096) = 4096 + 4096/256 + 64 slack).
+BOUND_BYTES = PAGE_SIZE + 128
+
+# zstd.h parameter numbers (stable ABI of ZSTD_CCtx_setParameter / ZSTD_DCtx_setParameter).
+_ZSTD_c_compressionLevel = 100
+_ZSTD_c_contentSizeFlag = 200
+_ZSTD_c_checksumFlag = 201
+_ZSTD_c_dictIDFlag = 202
+_ZSTD_c_format = 10            # ZSTD_c_experimentalParam2: accepted by the shared library
+_ZSTD_d_format = 1000          # ZSTD_d_experimentalParam1
+_ZSTD_f_zstd1_magicless = 1
+
+_V, _S, _I = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+
+
+def _load_libzstd() -> Any | None:
+    if os.environ.get("AZQ_ZSTD_BACKEND", "") == "python":
+        return None
+    name = ctypes.util.find_library("zstd") or "libzstd.so.1"
+    try:
+        lib = ctypes.CDLL(name)
+        # Declarations follow zstd.h (v1.4+ stable section); a wrong signature would corrupt
+        # the stack silently, so each one is spelled out.
+        lib.ZSTD_versionNumber.restype = ctypes.c_uint
+        if lib.ZSTD_versionNumber() < 10400:
+            return None
+        lib.ZSTD_createCCtx.restype = _V
+        lib.ZSTD_createDCtx.restype = _V
+        lib.ZSTD_freeCCtx.argtypes = [_V]
+        lib.ZSTD_freeDCtx.argtypes = [_V]
+        lib.ZSTD_CCtx_setParameter.argtypes = [_V, _I, _I]
+        lib.ZSTD_CCtx_setParameter.restype = _S
+        lib.ZSTD_DCtx_setParameter.argtypes = [_V, _I, _I]
+        lib.ZSTD_DCtx_setParameter.restype = _S
+        lib.ZSTD_CCtx_refPrefix.argtypes = [_V, _V, _S]
+        lib.ZSTD_CCtx_refPrefix.restype = _S
+        lib.ZSTD_DCtx_refPrefix.argtypes = [_V, _V, _S]
+        lib.ZSTD_DCtx_refPrefix.restype = _S
+        lib.ZSTD_compress2.argtypes = [_V, _V, _S, _V, _S]
+        lib.ZSTD_compress2.restype = _S
+        lib.ZSTD_decompressDCtx.argtypes = [_V, _V, _S, _V, _S]
+        lib.ZSTD_decompressDCtx.restype = _S
+        lib.ZSTD_isError.argtypes = [_S]
+        lib.ZSTD_isError.restype = ctypes.c_uint
+        return lib
+    except (OSError, AttributeError):
+        return None
+
+
+_LIB = _load_libzstd()
+
+
+class _CtxPair:
+    """One compression and one decompression context of libzstd (freed with the object)."""
+
+    def __init__(self, lib: Any, level: int) -> None:
+        self.lib = lib
+        self.cctx = lib.ZSTD_createCCtx()
+        self.dctx = lib.ZSTD_createDCtx()
+        if not self.cctx or not self.dctx:
+            raise MemoryError("libzstd could not allocate a context")
+        for param, value in ((_ZSTD_c_compressionLevel, level), (_ZSTD_c_contentSizeFlag, 1),
+                             (_ZSTD_c_checksumFlag, 0), (_ZSTD_c_dictIDFlag, 0),
+                             (_ZSTD_c_format, _ZSTD_f_zstd1_magicless)):
+            if lib.ZSTD_isError(lib.ZSTD_CCtx_setParameter(self.cctx, param, value)):
+                raise RuntimeError(f"libzstd refused compression parameter {param}")
+        if lib.ZSTD_isError(lib.ZSTD_DCtx_setParameter(self.dctx, _ZSTD_d_format, _ZSTD_f_zstd1_magicless)):
+            raise RuntimeError("libzstd refused the magicless format")
+        self.scratch = ctypes.create_string_buffer(BOUND_BYTES)
+        self.scratch_addr = ctypes.addressof(self.scratch)
+
+    def __del__(self) -> None:
+        try:
+            self.lib.ZSTD_freeCCtx(self.cctx)
+            self.lib.ZSTD_freeDCtx(self.dctx)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+class PageZstd:
+    """Compress and decompress single pages; thread-safe (per-thread contexts)."""
+
+    def __init__(self, level: int = DEFAULT_LEVEL, backend: str | None = None) -> None:
+        if not 1 <= level <= 19:
+            raise ValueError("zstd level must be 1..19")
+        self.level = level
+        if backend is None:
+            backend = "libzstd" if _LIB is not None else "python"
+        if backend == "libzstd" and _LIB is None:
+            raise RuntimeError("libzstd.so.1 is not available")
+        self.backend = backend
+        self._tls = threading.local()
+        self._params = zstandard.ZstdCompressionParameters.from_level(
+            level, source_size=PAGE_SIZE, format=zstandard.FORMAT_ZSTD1_MAGICLESS,
+            write_content_size=1, write_checksum=0, write_dict_id=0)
+
+    # -- per-thread state -------------------------------------------------------------
+    def _ctx(self) -> _CtxPair:
+        ctx = getattr(self._tls, "ctx", None)
+        if ctx is None:
+            ctx = self._tls.ctx = _CtxPair(_LIB, self.level)
+        return ctx
+
+    def _py(self) -> tuple[Any, Any]:
+        pair = getattr(self._tls, "py", None)
+        if pair is None:
+            pair = self._tls.py = (zstandard.ZstdCompressor(compression_params=self._params),
+                                   zstandard.ZstdDecompressor(format=zstandard.FORMAT_ZSTD1_MAGICLESS))
+        return pair
+
+    # -- compression --------------------------------------------------------------------
+    def compress_addr(self, src_addr: int, ref_addr: int = 0) -> bytes:
+        """Compress the page at ``src_addr`` (optionally with the page at ``ref_addr`` as prefix).
+
+        Addresses point into C-contiguous numpy page arrays that the caller keeps alive.
+        """
+        ctx = self._ctx()
+        lib = ctx.lib
+        if ref_addr:
+            lib.ZSTD_CCtx_refPrefix(ctx.cctx, ref_addr, PAGE_SIZE)   # one-shot: next frame only
+        n = lib.ZSTD_compress2(ctx.cctx, ctx.scratch_addr, BOUND_BYTES, src_addr, PAGE_SIZE)
+        if lib.ZSTD_isError(n):
+            raise RuntimeError("ZSTD_compress2 failed")
+        return ctypes.string_at(ctx.scratch_addr, n)
+
+    def compress(self, page: np.ndarray | bytes, ref: np.ndarray | bytes | None = None) -> bytes:
+        if self.backend == "libzstd":
+            p = np.ascontiguousarray(np.frombuffer(page, dtype=np.uint8) if isinstance(page, bytes) else page)
+            r = None if ref is None else np.ascontiguousarray(
+                np.frombuffer(ref, dtype=np.uint8) if isinstance(ref, bytes) else ref)
+            return self.compress_addr(p.ctypes.data, 0 if r is None else r.ctypes.data)
+        if ref is None:
+            return self._py()[0].compress(page)
+        d = zstandard.ZstdCompressionDict(bytes(ref), dict_type=zstandard.DICT_TYPE_RAWCONTENT)
+        return zstandard.ZstdCompressor(compression_params=self._params, dict_data=d).compress(page)
+
+    # -- decompression --------------------------------------------------------------------
+    def decompress_into(self, payload: bytes, out: np.ndarray, ref: np.ndarray | None = None,
+                        what: str = "page") -> None:
+        """Decompress one page frame into ``out`` (a C-contiguous 4096-byte uint8 array)."""
+        if self.backend == "libzstd":
+            self.decompress_addr(payload, out.ctypes.data, 0 if ref is None else ref.ctypes.data, what)
+            return
+        try:
+            if ref is None:
+                data = self._py()[1].decompress(payload, max_output_size=PAGE_SIZE)
+            else:
+                d = zstandard.ZstdCompressionDict(bytes(ref), dict_type=zstandard.DICT_TYPE_RAWCONTENT)
+                data = zstandard.ZstdDecompressor(dict_data=d, format=zstandard.FORMAT_ZSTD1_MAGICLESS
+                                                  ).decompress(payload, max_output_size=PAGE_SIZE)
+        except zstandard.ZstdError as err:
+            raise StoreCorrupt(what, f"undecodable zstd frame: {err}") from err
+        if len(data) != PAGE_SIZE:
+            raise StoreCorrupt(what, f"frame decodes to {len(data)} bytes, not a page")
+        out[:] = np.frombuffer(data, dtype=np.uint8)
+
+    def decompress_addr(self, payload: bytes, out_addr: int, ref_addr: int = 0, what: str = "page") -> None:
+        ctx = self._ctx()
+        lib = ctx.lib
+        if ref_addr:
+            lib.ZSTD_DCtx_refPrefix(ctx.dctx, ref_addr, PAGE_SIZE)
+        n = lib.ZSTD_decompressDCtx(ctx.dctx, out_addr, PAGE_SIZE, payload, len(payload))
+        if lib.ZSTD_isError(n) or n != PAGE_SIZE:
+            raise StoreCorrupt(what, "undecodable zstd frame" if lib.ZSTD_isError(n)
+                               else f"frame decodes to {n} bytes, not a page")
+
+
+def available_backends() -> list[str]:
+    return (["libzstd"] if _LIB is not None else []) + ["python"]

@@ -1,0 +1,128 @@
+"""Sharing domains, reference counts under any order of frees, and byte accounting."""
+
+from __future__ import annotations
+
+import tempfile
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from azqemu.memory.kinds import PAGE_SIZE, Kind
+from azqemu.memory.store import PageStore
+
+from .conftest import SMALL_ARENA, make_template, text_page
+
+
+def _edit(page: np.ndarray, lo: int, hi: int, v: int) -> np.ndarray:
+    out = page.copy()
+    out[lo:hi] = v
+    return out
+
+
+def test_domains_never_share(store, corpus) -> None:
+    """Identical and similar new content in two domains: B never references A's blobs."""
+    template = make_template([text_page(i) for i in range(4)], n_pages=64)
+    new = np.stack([corpus.pyc[i] for i in range(6)])
+    similar = np.stack([_edit(p, 600, 640, 0x44) for p in new])
+    idx = np.arange(10, 16)
+    store.encode("a1", "A", idx, new, template)
+    store.encode("b1", "B", idx, new, template)            # same bytes, other domain
+    store.encode("b2", "B", idx + 10, similar, template)   # similar bytes, other domain
+    table = store._table
+    dom_a = table.domains["A"].did
+    for sb in ("b1", "b2"):
+        refs = store._sandboxes[sb].index.blob_refs().astype(np.int64)
+        assert (table.rows["domain"][refs] != dom_a).all()
+        based = refs[table.rows["reftype"][refs] == 2]
+        assert (table.rows["domain"][table.rows["ref"][based].astype(np.int64)] != dom_a).all()
+    # b1 could not DUP a1's pages: it stored its own copies ...
+    assert (store.page_kinds("b1", idx) != int(Kind.DUP)).all()
+    # ... while within domain B, b2 does find b1's pages as SDELTA bases.
+    assert (store.page_kinds("b2", idx + 10) == int(Kind.SDELTA)).any()
+    # Within a domain, the same content is a DUP.
+    store.encode("a2", "A", idx + 30, new, template)
+    assert (store.page_kinds("a2", idx + 30) == int(Kind.DUP)).all()
+
+
+def test_template_pages_are_shared_by_all_domains(store, corpus) -> None:
+    tpl = [corpus.elf[i] for i in range(6)]
+    template = make_template(tpl, n_pages=64)
+    moved = np.stack(tpl[:3])
+    for dom in ("A", "B"):
+        store.encode(f"s{dom}", dom, np.array([40, 41, 42]), moved, template)
+        assert (store.page_kinds(f"s{dom}", np.array([40, 41, 42])) == int(Kind.DUP)).all()
+        assert store.owned_bytes(f"s{dom}").private_bytes == 0
+
+
+def _accounting_holds(store: PageStore) -> None:
+    total = 0
+    for dom in store.domains():
+        db = store.domain_bytes(dom)
+        owned = [store.owned_bytes(s) for s in store.sandboxes() if store.domain_of(s) == dom]
+        s = sum(o.total_bytes for o in owned)
+        assert abs(s - db.total_bytes) <= 1e-6 * max(1, db.total_bytes) + 1, (dom, s, db)
+        assert sum(o.index_bytes for o in owned) == db.index_bytes
+        assert sum(o.raw_bytes for o in owned) == db.raw_bytes
+        total += db.total_bytes
+    assert store.total_bytes().total_bytes == total
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                 HealthCheck.too_slow])
+@given(order=st.permutations(list(range(5))), discard_first=st.booleans())
+def test_refcounts_after_frees_in_any_order(store_dir, small_set, small_template, corpus, order, discard_first
+                                            ) -> None:
+    shared = np.stack([corpus.text[i] for i in range(8)])
+    with PageStore(tempfile.mkdtemp(dir=store_dir), arena_bytes=SMALL_ARENA) as store:
+        names = []
+        for k in range(5):
+            idx, pages = small_set.sandboxes[k % 3]
+            # Everyone also holds the same 8 new pages (DUPs) and an edited copy (SDELTA bases).
+            extra_idx = np.arange(2000 + k * 16, 2008 + k * 16)
+            edited = shared.copy()
+            edited[:, 100 + k:140 + k] = k
+            all_idx = np.concatenate([idx, extra_idx, extra_idx + 8])
+            all_pages = np.concatenate([pages, shared, edited])
+            dom = "d0" if k < 4 else "d1"
+            store.encode(f"s{k}", dom, all_idx, all_pages, small_template)
+            names.append((f"s{k}", all_idx, all_pages))
+        store.check_consistency()
+        _accounting_holds(store)
+        if discard_first:
+            n, idx, _ = names[order[0]]
+            store.discard(n, store.stored_pages(n)[::2])
+            store.check_consistency()
+            _accounting_holds(store)
+        alive = {n for n, _, _ in names}
+        for k in order:
+            n, idx, pages = names[k]
+            store.free_sandbox(n)
+            alive.discard(n)
+            store.check_consistency()
+            _accounting_holds(store)
+            for m, midx, mpages in names:
+                if m in alive:
+                    stored = store.stored_pages(m)
+                    out = store.decode(m, stored)
+                    np.testing.assert_array_equal(out, mpages[np.searchsorted(midx, stored)]
+                                                  if np.all(np.diff(midx) > 0) else out)
+        table = store._table
+        assert not (table.rows["refcount"][:table.n] > 0).any()
+        assert store._arenas.live_bytes == 0
+        assert store.total_bytes().total_bytes == 0
+
+
+def test_owned_bytes_fields(store, small_set, small_template) -> None:
+    for k, (idx, pages) in enumerate(small_set.sandboxes):
+        store.encode(f"s{k}", "d", idx, pages, small_template)
+    ob = store.owned_bytes("s1")
+    assert ob.total_bytes == ob.private_bytes + ob.shared_bytes + ob.index_bytes + ob.raw_bytes
+    assert ob.raw_bytes == ob.raw_pages * PAGE_SIZE
+    assert ob.shared_bytes > 0            # siblings share DUP blobs
+    assert ob.index_bytes >= store._sandboxes["s1"].index.n_entries * 14
+    d = store.as_dict() if hasattr(store, "as_dict") else None
+    assert d is None
+    _accounting_holds(store)
+    tb = store.total_bytes()
+    assert tb.sandboxes == 3 and tb.domains == 1 and tb.template_bytes == small_template.data_bytes

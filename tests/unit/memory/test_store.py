@@ -1,0 +1,271 @@
+"""The page store: persistence, damage and foreign files, checksums, discard, fault path."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import numpy as np
+import pytest
+
+from azqemu.errors import ChecksumMismatch, StoreCorrupt, StoreError, StoreForeign
+from azqemu.memory.arena import ARENA_HEADER_BYTES
+from azqemu.memory.kinds import PAGE_SIZE, Kind
+from azqemu.memory.persist import STORE_FILE, index_file_name
+from azqemu.memory.store import PageStore
+
+from .conftest import SMALL_ARENA
+
+
+def _fill(store: PageStore, small_set, template, names=("a", "b", "c"), domain="d") -> None:
+    for name, (idx, pages) in zip(names, small_set.sandboxes):
+        store.encode(name, domain, idx, pages, template)
+
+
+def _expect(small_set, k: int, stored: np.ndarray) -> np.ndarray:
+    idx, pages = small_set.sandboxes[k]
+    return pages[np.searchsorted(idx, stored)]
+
+
+def test_encode_result_and_kinds(store, small_set, small_template) -> None:
+    idx, pages = small_set.sandboxes[0]
+    res = store.encode("a", "d", idx, pages, small_template)
+    assert sum(res.pages.values()) == len(idx)
+    assert res.pages["ZERO"] > 0 and res.pages["TEMPLATE"] > 0 and res.pages["ZSTD"] > 0
+    assert len(res.stored_idx) + len(res.raw_idx) == len(idx)
+    np.testing.assert_array_equal(np.sort(res.stored_idx), store.stored_pages("a"))
+    assert res.input_bytes == len(idx) * PAGE_SIZE and res.encode_s > 0
+
+
+def test_flush_and_reopen(store_dir, small_set, small_template) -> None:
+    with PageStore(store_dir, arena_bytes=SMALL_ARENA) as s:
+        _fill(s, small_set, small_template)
+        s.free_sandbox("b")
+        before = {n: s.owned_bytes(n) for n in ("a", "c")}
+        s.flush()
+    with PageStore(store_dir, templates=(small_template,)) as s:
+        assert s.sandboxes() == ["a", "c"]
+        for k, n in ((0, "a"), (2, "c")):
+            stored = s.stored_pages(n)
+            np.testing.assert_array_equal(s.decode(n, stored), _expect(small_set, k, stored))
+            assert s.owned_bytes(n) == before[n]
+        s.check_consistency()
+        # The reopened store keeps working: encode more, free, flush again.
+        idx, pages = small_set.sandboxes[1]
+        s.encode("b2", "d", idx, pages, small_template)
+        s.free_sandbox("a")
+        s.flush()
+    with PageStore(store_dir, templates=(small_template,)) as s:
+        assert s.sandboxes() == ["b2", "c"]
+        s.check_consistency()
+    assert not (store_dir / index_file_name("a")).exists()
+
+
+def test_reopen_loads_the_template_from_its_path(store_dir, small_set) -> None:
+    from azqemu.memory.ram import write_sparse_image
+    from azqemu.memory.template import TemplateImage
+    path = store_dir / "template.ram"
+    write_sparse_image(path, small_set.template_idx, small_set.template_pages, small_set.size_bytes)
+    tpl = TemplateImage(path)
+    root = store_dir / "store"
+    with PageStore(root, arena_bytes=SMALL_ARENA) as s:
+        _fill(s, small_set, tpl, names=("a",))
+        s.flush()
+    with PageStore(root) as s:           # no template passed: reopened from the recorded path
+        stored = s.stored_pages("a")
+        np.testing.assert_array_equal(s.decode("a", stored), _expect(small_set, 0, stored))
+    # A template that changed under the store is refused.
+    data = bytearray(path.read_bytes())
+    off = int(small_set.template_idx[3]) * PAGE_SIZE
+    data[off] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with PageStore(root) as s:
+        with pytest.raises(StoreCorrupt, match="template image changed"):
+            s.decode("a", s.stored_pages("a"))
+
+
+def _flip(path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+@pytest.fixture
+def flushed(store_dir, small_set, small_template):
+    with PageStore(store_dir, arena_bytes=SMALL_ARENA) as s:
+        _fill(s, small_set, small_template)
+        s.flush()
+    return store_dir
+
+
+def test_damaged_store_file_refused(flushed, small_template) -> None:
+    _flip(flushed / STORE_FILE, 100)
+    with pytest.raises(StoreCorrupt, match="checksum mismatch"):
+        PageStore(flushed, templates=(small_template,))
+
+
+def test_truncated_store_file_refused(flushed, small_template) -> None:
+    data = (flushed / STORE_FILE).read_bytes()
+    (flushed / STORE_FILE).write_bytes(data[:-7])
+    with pytest.raises(StoreCorrupt, match="sizes"):
+        PageStore(flushed, templates=(small_template,))
+
+
+def test_huge_size_field_refused_without_allocating(flushed, small_template) -> None:
+    with open(flushed / STORE_FILE, "r+b") as f:
+        f.seek(16)
+        f.write(struct.pack("<Q", 1 << 60))       # json_len
+    with pytest.raises(StoreCorrupt):
+        PageStore(flushed, templates=(small_template,))
+
+
+def test_damaged_index_file_refused(flushed, small_template) -> None:
+    _flip(flushed / index_file_name("b"), 60)
+    with pytest.raises(StoreCorrupt):
+        PageStore(flushed, templates=(small_template,))
+
+
+def test_foreign_store_file_refused(store_dir) -> None:
+    (store_dir / STORE_FILE).write_bytes(b"\x7fELF" + os.urandom(200))
+    with pytest.raises(StoreForeign):
+        PageStore(store_dir)
+
+
+def test_other_version_refused(flushed, small_template) -> None:
+    with open(flushed / STORE_FILE, "r+b") as f:
+        f.seek(8)
+        f.write(struct.pack("<I", 99))
+    with pytest.raises(StoreForeign, match="version 99"):
+        PageStore(flushed, templates=(small_template,))
+
+
+def test_arena_of_another_store_refused(flushed, store_dir, small_set, small_template) -> None:
+    other = store_dir / "other"
+    with PageStore(other, arena_bytes=SMALL_ARENA) as s:
+        _fill(s, small_set, small_template, names=("x",))
+        s.flush()
+    os.replace(other / "arena-000000.azq", flushed / "arena-000000.azq")
+    with pytest.raises(StoreForeign, match="another store"):
+        PageStore(flushed, templates=(small_template,))
+
+
+def test_leftover_files_without_store_file_refused(store_dir, small_set, small_template) -> None:
+    with PageStore(store_dir, arena_bytes=SMALL_ARENA) as s:
+        _fill(s, small_set, small_template, names=("a",))     # never flushed
+    with pytest.raises(StoreCorrupt, match="without"):
+        PageStore(store_dir)
+
+
+def test_damaged_payload_fails_checksum(store, small_set, small_template) -> None:
+    idx, pages = small_set.sandboxes[0]
+    store.encode("a", "d", idx, pages, small_template)
+    zstd_pages = idx[store.page_kinds("a", idx) == int(Kind.ZSTD)]
+    victim = int(zstd_pages[0])
+    # Corrupt the blob's payload in place, keeping the frame decodable if possible: flip a
+    # literal byte near the end of the payload.
+    e = store._sandboxes["a"].index.lookup_one(victim)
+    blob = int(store._sandboxes["a"].index.ref[e])
+    row = store._table.rows[blob]
+    arena = store._arenas.arenas[int(row["arena"])]
+    pos = int(row["offset"]) + int(row["length"]) - 2
+    arena.mm[pos] ^= 0x01
+    with pytest.raises((ChecksumMismatch, StoreCorrupt)):
+        store.decode("a", np.array([victim]))
+    buf = bytearray(b"\xee" * PAGE_SIZE)
+    with pytest.raises((ChecksumMismatch, StoreCorrupt)):
+        store.decode_page_into("a", victim, memoryview(buf))
+    assert bytes(buf) == b"\xee" * PAGE_SIZE          # nothing handed out
+
+
+def test_corrupt_template_memory_fails_checksum(store, small_set, small_template) -> None:
+    from azqemu.memory.template import TemplateImage
+    t = TemplateImage(page_idx=small_template.page_idx, pages=small_template.pages.copy(),
+                      size_bytes=small_template.size_bytes)
+    idx, pages = small_set.sandboxes[0]
+    store.encode("a", "d", idx, pages, t)
+    tp = idx[store.page_kinds("a", idx) == int(Kind.TEMPLATE)]
+    victim = int(tp[0])
+    t.pages_z.flags.writeable = True
+    t.pages_z[t.row_of[victim], 7] ^= 1
+    with pytest.raises(ChecksumMismatch) as err:
+        store.decode("a", np.array([victim]))
+    assert err.value.page_idx == victim
+    with pytest.raises(ChecksumMismatch):
+        store.decode_page_into("a", victim, bytearray(PAGE_SIZE))
+
+
+def test_discard_releases_pages(store, small_set, small_template) -> None:
+    idx, pages = small_set.sandboxes[0]
+    store.encode("a", "d", idx, pages, small_template)
+    stored = store.stored_pages("a")
+    gone = stored[::3]
+    store.discard("a", gone)
+    left = store.stored_pages("a")
+    assert len(left) == len(stored) - len(gone) and not np.isin(gone, left).any()
+    np.testing.assert_array_equal(store.decode("a", left), _expect(small_set, 0, left))
+    with pytest.raises(StoreError, match="not in the store"):
+        store.decode("a", gone[:1])
+    with pytest.raises(StoreError, match="not in the store"):
+        store.decode_page_into("a", int(gone[0]), bytearray(PAGE_SIZE))
+    store.check_consistency()
+    store.discard("a", left)
+    assert store.owned_bytes("a").private_bytes == 0
+
+
+def test_reencode_replaces_entries(store, small_set, small_template) -> None:
+    idx, pages = small_set.sandboxes[0]
+    store.encode("a", "d", idx, pages, small_template)
+    # The next wait: a few pages changed again and are encoded anew.
+    idx2, pages2 = small_set.sandboxes[1]
+    sel = idx[:50]
+    new = pages2[:50]
+    store.encode("a", "d", sel, new, small_template)
+    store.check_consistency()
+    stored = store.stored_pages("a")
+    expect = dict(zip(idx.tolist(), pages))
+    expect.update(dict(zip(sel.tolist(), new)))
+    out = store.decode("a", stored)
+    for row, p in enumerate(stored.tolist()):
+        np.testing.assert_array_equal(out[row], expect[p])
+
+
+def test_decode_into_numpy_and_memoryview(store, small_set, small_template) -> None:
+    idx, pages = small_set.sandboxes[0]
+    store.encode("a", "d", idx, pages, small_template)
+    stored = store.stored_pages("a")
+    exp = _expect(small_set, 0, stored)
+    buf = np.empty((len(stored), PAGE_SIZE), np.uint8)
+    assert store.decode("a", stored, out=buf) is buf
+    np.testing.assert_array_equal(buf, exp)
+    one = np.empty(PAGE_SIZE, np.uint8)
+    for row in range(0, len(stored), 7):
+        store.decode_page_into("a", int(stored[row]), one)
+        np.testing.assert_array_equal(one, exp[row])
+
+
+def test_bad_inputs(store, small_template) -> None:
+    with pytest.raises(StoreError, match="no sandbox"):
+        store.decode("nope", np.array([1]))
+    with pytest.raises(StoreError, match="duplicate"):
+        store.encode("a", "d", np.array([1, 1]), np.zeros((2, PAGE_SIZE), np.uint8), small_template)
+    store.encode("a", "d", np.array([1]), np.zeros((1, PAGE_SIZE), np.uint8), small_template)
+    with pytest.raises(StoreError, match="belongs to domain"):
+        store.encode("a", "other", np.array([2]), np.zeros((1, PAGE_SIZE), np.uint8), small_template)
+
+
+def test_arena_compaction_keeps_pages(store_dir, small_set, small_template) -> None:
+    with PageStore(store_dir, arena_bytes=ARENA_HEADER_BYTES + (64 << 10)) as s:
+        _fill(s, small_set, small_template)
+        n_arenas = len(s._arenas.arenas)
+        assert n_arenas > 3
+        s.free_sandbox("a")
+        s.free_sandbox("c")
+        s.check_consistency()
+        assert len(s._arenas.arenas) < n_arenas
+        stored = s.stored_pages("b")
+        np.testing.assert_array_equal(s.decode("b", stored), _expect(small_set, 1, stored))
+        s.flush()
+    with PageStore(store_dir, templates=(small_template,)) as s:
+        np.testing.assert_array_equal(s.decode("b", stored), _expect(small_set, 1, stored))
