@@ -21,7 +21,6 @@ from lxml import etree
 from azqemu import config as config_mod
 from azqemu.errors import (
     AgentError,
-    AgentTimeout,
     DomainNotFound,
     LibvirtUnavailable,
     SandboxExists,
@@ -57,8 +56,6 @@ def translate_errors(name: str = "") -> Iterator[None]:
             raise SandboxExists(name) from err
         if code == libvirt.VIR_ERR_AGENT_UNRESPONSIVE:
             raise AgentError(f"guest agent of {name!r} is not responding") from err
-        if code == libvirt.VIR_ERR_AGENT_COMMAND_TIMEOUT:
-            raise AgentTimeout(name, 0, "answer in time") from err
         if code == libvirt.VIR_ERR_AGENT_UNSYNCED:
             raise AgentError(f"guest agent of {name!r} is not connected yet") from err
         raise VirtError(msg, code) from err
