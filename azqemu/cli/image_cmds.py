@@ -58,14 +58,15 @@ def info(as_json: bool, verify: bool) -> None:
     manifest = guest_image.read_manifest(img)
     if as_json:
         record: dict[str, object] = dict(img.to_dict())
-        record.update({k: manifest.get(k) for k in ("kernel_abi", "kernel_package_version", "built_at",
+        record.update({k: manifest.get(k) for k in ("kernel_abi", "kernel_package_version", "kernel_boot", "built_at",
                                                     "build_s", "package_count")})
         record["files"] = {role: {"size_bytes": f["size_bytes"], "allocated_bytes": f["allocated_bytes"],
                                   "sha256": f["sha256"]} for role, f in manifest["files"].items()}
         click.echo(json.dumps(record, indent=2))
         return
     rows = [("key", img.key), ("kernel", f"{img.kernel}  ({manifest['kernel_abi']}, "
-                                          f"{manifest['kernel_package_version']})"),
+                                          f"{manifest['kernel_package_version']}, "
+                                          f"{manifest.get('kernel_boot', 'bzimage')} boot)"),
             ("initrd", str(img.initrd)), ("rootfs", str(img.rootfs)), ("cmdline", img.cmdline)]
     rows += [(f"{role} size", _mib(f["size_bytes"]) + (f" ({_mib(f['allocated_bytes'])} allocated)"
                                                        if role == "rootfs" else ""))
@@ -84,3 +85,16 @@ def key() -> None:
     from azqemu import image as guest_image
 
     click.echo(guest_image.recipe_key())
+
+
+@image.command()
+@click.option("--dry-run", is_flag=True, help="Only list what would be removed.")
+def prune(dry_run: bool) -> None:
+    """Remove cached images that neither the current recipe nor any template uses."""
+    from azqemu import image as guest_image
+
+    removed = guest_image.prune_images(dry_run=dry_run)
+    for path in removed:
+        click.echo(f"{'would remove' if dry_run else 'removed'} {path}")
+    if not removed:
+        click.echo("nothing to prune")

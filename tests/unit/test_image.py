@@ -186,10 +186,135 @@ def test_foreign_manifest_is_refused(cache: Path) -> None:
         image.image_by_key("0123456789abcdef")
 
 
+# ------------------------------------------------------------------ build flow (the build proper faked)
+
+@pytest.fixture()
+def fake_build(cache: Path, monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """Replace the debootstrap/mkfs build with one that writes tiny files; lets the cache,
+    locking and atomic publishing run for real without root or network."""
+    calls: list[Path] = []
+
+    def build_into(build_dir: Path, say: object) -> str:
+        calls.append(build_dir)
+        key = image.recipe_key()
+        staged = _fake_image(build_dir, "out-tmp")
+        staged.rename(build_dir / "out")
+        for f in (build_dir / "out").iterdir():
+            f.chmod(0o600)
+        (build_dir / "work").mkdir(exist_ok=True)
+        if os.environ.get("FAKE_BUILD_FAILS"):
+            raise ImageError("mkfs.ext4 -d failed (exit 1): disk full")
+        return key
+
+    monkeypatch.setattr(image, "_build_into", build_into)
+    monkeypatch.setattr(image.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(image, "BUILD_SPACE_BYTES", 0)
+    return calls
+
+
+def test_build_publishes_atomically_and_readably(cache: Path, fake_build: list[Path]) -> None:
+    built = image.build_image()
+    assert built == image.find_image()
+    assert (cache / "current").resolve() == cache / built.key
+    assert [p.name for p in cache.iterdir() if p.name.startswith(".build-")] == []
+    assert oct(built.rootfs.stat().st_mode & 0o777) == oct(0o644)
+    assert oct(built.rootfs.parent.stat().st_mode & 0o777) == oct(0o755)
+    image.build_image()
+    assert len(fake_build) == 1                  # up to date: no second build
+    image.build_image(force=True)
+    assert len(fake_build) == 2 and image.find_image() == built
+
+
+def test_interrupted_build_leaves_nothing(cache: Path, fake_build: list[Path],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_BUILD_FAILS", "1")
+    with pytest.raises(ImageError, match="disk full"):
+        image.build_image()
+    assert sorted(p.name for p in cache.iterdir()) == [".lock"]
+    with pytest.raises(ImageError, match="not built"):
+        image.find_image()
+
+
+def test_stale_build_dirs_are_swept(cache: Path, fake_build: list[Path]) -> None:
+    stale = cache / ".build-0123456789abcdef-dead"
+    (stale / "work" / "rootfs").mkdir(parents=True)
+    lines: list[str] = []
+    image.build_image(progress=lines.append)
+    assert not stale.exists()
+    assert any("left by an interrupted build" in line for line in lines)
+
+
+def test_prune_keeps_what_is_used(cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AZQ_STATE_DIR", str(tmp_path / "state"))
+    current = image.recipe_key()
+    for key in (current, "aaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbb"):
+        _fake_image(cache, key)
+    meta = tmp_path / "state" / "templates" / "base" / "meta.json"
+    meta.parent.mkdir(parents=True)
+    meta.write_text(json.dumps({"image_key": "aaaaaaaaaaaaaaaa"}))
+    assert image.prune_images(dry_run=True) == [cache / "bbbbbbbbbbbbbbbb"]
+    assert (cache / "bbbbbbbbbbbbbbbb").exists()
+    assert image.prune_images() == [cache / "bbbbbbbbbbbbbbbb"]
+    assert {p.name for p in cache.iterdir() if not p.name.startswith(".")} == {current, "aaaaaaaaaaaaaaaa"}
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="the root check only shows for non-root users")
 def test_build_needs_root(cache: Path) -> None:
     with pytest.raises(ImageError, match="needs root"):
         image.build_image(force=True)
+
+
+# ------------------------------------------------------------------ kernel
+
+def _elf_with_notes(notes: list[tuple[bytes, int]]) -> bytes:
+    """A minimal ELF64 image with one PT_NOTE segment holding the given (name, type) notes."""
+    body = b""
+    for name, note_type in notes:
+        name += b"\0"
+        desc = b"\0" * 8
+        body += (len(name).to_bytes(4, "little") + len(desc).to_bytes(4, "little")
+                 + note_type.to_bytes(4, "little") + name + b"\0" * (-len(name) % 4) + desc)
+    header = bytearray(64)
+    header[0:5] = b"\x7fELF\x02"
+    header[0x20:0x28] = (64).to_bytes(8, "little")           # e_phoff
+    header[0x36:0x38] = (56).to_bytes(2, "little")           # e_phentsize
+    header[0x38:0x3A] = (1).to_bytes(2, "little")            # e_phnum
+    phdr = bytearray(56)
+    phdr[0:4] = image.PT_NOTE.to_bytes(4, "little")
+    phdr[8:16] = (120).to_bytes(8, "little")                 # p_offset
+    phdr[32:40] = len(body).to_bytes(8, "little")            # p_filesz
+    return bytes(header) + bytes(phdr) + body
+
+
+def _bzimage(payload: bytes) -> bytes:
+    setup_sects = 1
+    data = bytearray((setup_sects + 1) * 512)
+    data[0x1F1] = setup_sects
+    data[0x202:0x206] = b"HdrS"
+    data[0x248:0x24C] = (16).to_bytes(4, "little")           # payload_offset
+    data[0x24C:0x250] = len(payload).to_bytes(4, "little")   # payload_length
+    return bytes(data) + b"\0" * 16 + payload + b"trailer"
+
+
+def test_pvh_kernel_is_extracted(tmp_path: Path) -> None:
+    elf = _elf_with_notes([(b"Linux", 1), (b"Xen", image.XEN_ELFNOTE_PHYS32_ENTRY)])
+    assert image.extract_vmlinux(_bzimage(lzma.compress(elf, format=lzma.FORMAT_XZ))) == elf
+    bz = tmp_path / "vmlinuz"
+    bz.write_bytes(_bzimage(lzma.compress(elf, format=lzma.FORMAT_XZ)))
+    assert image.kernel_for_boot(bz, "pvh") == ("vmlinux", elf, "pvh")
+    assert image.kernel_for_boot(bz, "bzimage") == ("vmlinuz", bz.read_bytes(), "bzimage")
+
+
+def test_kernel_without_pvh_note_ships_the_bzimage(tmp_path: Path) -> None:
+    elf = _elf_with_notes([(b"Xen", 5), (b"Linux", image.XEN_ELFNOTE_PHYS32_ENTRY)])
+    assert not image.has_pvh_entry(elf)
+    bz = tmp_path / "vmlinuz"
+    bz.write_bytes(_bzimage(lzma.compress(elf, format=lzma.FORMAT_XZ)))
+    assert image.kernel_for_boot(bz, "pvh")[2] == "bzimage"
+    with pytest.raises(ImageError, match="not a bzImage"):
+        image.extract_vmlinux(b"\0" * 1024)
+    with pytest.raises(ImageError, match="unknown bzImage payload compression"):
+        image.extract_vmlinux(_bzimage(b"plain"))
 
 
 # ------------------------------------------------------------------ initramfs pieces
