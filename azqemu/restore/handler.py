@@ -1,0 +1,392 @@
+"""The fault server: answers every missing-page fault of a QEMU process.
+
+One thread polls the handed-over uffd (O_NONBLOCK) and a stop eventfd, reads fault
+messages in batches, fills a page from the block's :mod:`~azqemu.restore.source` and
+places it with UFFDIO_COPY, which maps it and wakes every thread waiting on it (several
+vCPUs faulting on one page are all woken by one copy).
+
+Rules (DESIGN.md, "Restore"):
+
+- UFFDIO_COPY only, never pwrite + UFFDIO_WAKE: COPY refuses (EEXIST) a page that is
+  already present, so a bookkeeping slip cannot overwrite newer guest data. On EEXIST the
+  page is back (another vCPU's fault, the prefetcher): wake the range and go on.
+- Every fault gets an answer. A page that nobody saved is served as a zero page by
+  UFFDIO_COPY from the source's ZeroSource, never answered by a bare wake (the thread
+  would fault again). A page that *should* exist but cannot be produced (the source
+  raises) is not answered at all: the thread keeps waiting and the error is reported.
+  A blocked guest is recoverable; a guest that read a wrong page is not.
+- EAGAIN from UFFDIO_COPY means the mm is changing (a non-cooperative event such as
+  UFFD_EVENT_REMOVE is queued and the kernel holds copies until it is *read*): read the
+  queue first, then retry; spinning on the copy would never make progress.
+
+The fast path allocates no buffers per fault: the message buffer, the page buffer and
+the ioctl argument are preallocated, and stats go into preallocated arrays.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import select
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from azqemu.restore import uffd_abi as abi
+from azqemu.restore.errors import UffdIoctlError
+from azqemu.restore.export import RamBlock, UffdHandle
+from azqemu.restore.source import PageSource
+
+log = logging.getLogger(__name__)
+
+# Messages read per read(2). The kernel hands out at most what is queued; 64 covers a
+# burst of every vCPU faulting plus REMOVE events with room to spare.
+BATCH_MSGS = 64
+# Service times kept for stats (a ring: the newest RING_SIZE faults).
+RING_SIZE = 1 << 16
+# Poll timeout while faults wait for a source that answered Retry: short enough that a
+# vCPU does not notice, long enough not to spin a shared core.
+RETRY_INTERVAL_MS = 1
+
+
+@dataclass(frozen=True)
+class HandlerStats:
+    faults: int              # page-fault messages read
+    served: int              # answered with UFFDIO_COPY
+    already_present: int     # UFFDIO_COPY said EEXIST: woken instead
+    retries: int             # Retry from a source or EAGAIN from the kernel
+    errors: int              # faults left waiting because no content exists
+    stale: int               # faults on a range no longer registered (ENOENT)
+    removes: int             # UFFD_EVENT_REMOVE messages (QEMU discarded guest-freed pages)
+    other_events: int
+    service_us_median: float
+    service_us_p99: float
+    service_samples: int
+
+
+class _Block:
+    """Per-block state of the fast path (plain attributes: one lookup each)."""
+
+    __slots__ = ("block", "lo", "hi", "delta", "shift", "fill", "hot", "discarded", "out")
+
+    def __init__(self, block: RamBlock, source: PageSource, page_mv: memoryview) -> None:
+        self.block = block
+        self.lo = block.hva
+        self.hi = block.hva + block.size_bytes
+        self.delta = block.offset - block.hva  # hva + delta = file offset
+        self.shift = block.page_size.bit_length() - 1
+        self.fill = source.fill
+        self.hot = bytearray(block.page_count)
+        self.discarded = bytearray(block.page_count)
+        self.out = page_mv[:block.page_size]  # the page buffer, this block's page size
+
+
+class FaultHandler:
+    """Serve the faults of one UffdHandle from one PageSource per RAM block.
+
+    ``sources`` is one source for every block or a sequence parallel to
+    ``handle.blocks``. ``on_error(exc, hva)`` is called (from the handler thread) for a
+    fault that cannot be served; ``on_remove(block_index, first_page, page_count)`` for
+    each UFFD_EVENT_REMOVE (QEMU discarded pages the guest freed: their stored copies are
+    dead; they stay served from the source until the caller reassigns them, which keeps
+    the answer right even for an madvise that did not punch the file).
+    """
+
+    def __init__(self, handle: UffdHandle, sources: PageSource | Sequence[PageSource], *,
+                 on_error: Callable[[BaseException, int], None] | None = None,
+                 on_remove: Callable[[int, int, int], None] | None = None,
+                 ring_size: int = RING_SIZE, name: str = "azq-fault-handler") -> None:
+        if not isinstance(sources, Sequence):
+            sources = [sources] * len(handle.blocks)
+        if len(sources) != len(handle.blocks):
+            raise ValueError(f"{len(sources)} sources for {len(handle.blocks)} RAM blocks")
+        self.handle = handle
+        self._uffd = handle.uffd
+        self._on_error = on_error
+        self._on_remove = on_remove
+        self._name = name
+        max_page = max(b.page_size for b in handle.blocks)
+        # Page buffer: mmap'd so it is page aligned (UFFDIO_COPY's src needs no alignment,
+        # but aligned copies are the kernel's fast case), and its address is stable.
+        self._page_map = mmap.mmap(-1, max_page)
+        self._page_mv = memoryview(self._page_map)
+        self._page_obj = ctypes.c_char.from_buffer(self._page_map)  # pins the buffer
+        self._page_addr = ctypes.addressof(self._page_obj)
+        self._blocks = tuple(_Block(b, s, self._page_mv) for b, s in zip(handle.blocks, sources))
+        # ioctl arguments, reused: struct uffdio_copy as 5 u64 words, uffdio_range as 2.
+        self._copy_arg = bytearray(ctypes.sizeof(abi.uffdio_copy))
+        self._copy_q = memoryview(self._copy_arg).cast("Q")
+        self._range_arg = bytearray(ctypes.sizeof(abi.uffdio_range))
+        self._range_q = memoryview(self._range_arg).cast("Q")
+        self._msg_buf = bytearray(BATCH_MSGS * abi.UFFD_MSG_SIZE)
+        self._msg_q = memoryview(self._msg_buf).cast("Q")
+        self._ring_mask = ring_size - 1
+        if ring_size <= 0 or ring_size & self._ring_mask:
+            raise ValueError("ring_size must be a power of two")
+        # numpy for the stats, written through a memoryview: an item store through it
+        # costs a fraction of numpy's scalar assignment on the fast path.
+        self._ring = np.zeros(ring_size, dtype=np.int64)
+        self._ring_mv = memoryview(self._ring.data)
+        self._pending: list[int] = []   # hvas to retry (Retry, EAGAIN)
+        self._failed: list[int] = []    # hvas left waiting after an error
+        self.last_error: BaseException | None = None
+        self.peer_exited = False
+        self._stop_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._faults = 0
+        self._served = 0
+        self._eexist = 0
+        self._retries = 0
+        self._errors = 0
+        self._stale = 0
+        self._removes = 0
+        self._other = 0
+        self._samples = 0
+
+    # -- control -------------------------------------------------------------------------
+    def start(self, *, wake: bool = True) -> None:
+        """Start serving. ``wake`` wakes every block first: threads whose fault message
+        was read by a previous manager that died wait for a wake-up no one else will
+        send; woken, they fault again and their new message reaches us."""
+        if self._thread is not None:
+            raise RuntimeError("handler already started")
+        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+        self._thread.start()
+        if wake:
+            self.handle.wake_all()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread. Faults still queued stay queued for the next handler."""
+        if self._thread is None:
+            return
+        self._stopping = True
+        os.eventfd_write(self._stop_fd, 1)
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise RuntimeError(f"fault handler did not stop within {timeout_s} s")
+        self._thread = None
+
+    def close(self) -> None:
+        self.stop()
+        if self._stop_fd < 0:
+            return
+        os.close(self._stop_fd)
+        self._stop_fd = -1
+        for b in self._blocks:
+            b.out.release()
+        del self._page_obj
+        self._page_mv.release()
+        try:
+            self._page_map.close()
+        except BufferError:
+            pass  # a source kept a view of the page buffer: freed with it
+
+    def __enter__(self) -> FaultHandler:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def set_source(self, block_index: int, source: PageSource) -> None:
+        """Serve block ``block_index`` from ``source`` from the next fault on."""
+        self._blocks[block_index].fill = source.fill
+
+    def retry_failed(self) -> int:
+        """Queue the faults left waiting after errors for another attempt."""
+        failed, self._failed = self._failed, []
+        self._pending.extend(failed)
+        os.eventfd_write(self._stop_fd, 1)  # wake the loop; _stopping stays False
+        return len(failed)
+
+    # -- results -------------------------------------------------------------------------
+    def hot_pages(self, block_index: int = 0) -> np.ndarray:
+        """Pages of the block (index from the block start) faulted since the last reset."""
+        return np.flatnonzero(np.frombuffer(self._blocks[block_index].hot, dtype=np.uint8))
+
+    def reset_hot(self) -> None:
+        for b in self._blocks:
+            b.hot = bytearray(len(b.hot))  # swap, not clear: the loop may be writing
+
+    def discarded_pages(self, block_index: int = 0) -> np.ndarray:
+        """Pages QEMU discarded (UFFD_EVENT_REMOVE) since the last reset."""
+        return np.flatnonzero(np.frombuffer(self._blocks[block_index].discarded, dtype=np.uint8))
+
+    def reset_discarded(self) -> None:
+        for b in self._blocks:
+            b.discarded = bytearray(len(b.discarded))
+
+    def service_times_ns(self) -> np.ndarray:
+        """Service times (fault message read to UFFDIO_COPY done) of the newest faults."""
+        return self._ring[:min(self._samples, len(self._ring))].copy()
+
+    def reset_service_times(self) -> None:
+        self._samples = 0
+
+    def stats(self) -> HandlerStats:
+        t = self.service_times_ns()
+        med, p99 = (float(np.median(t)) / 1e3, float(np.percentile(t, 99)) / 1e3) if len(t) else (0.0, 0.0)
+        return HandlerStats(self._faults, self._served, self._eexist, self._retries, self._errors,
+                            self._stale, self._removes, self._other, med, p99, len(t))
+
+    # -- the loop ------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # the thread must say why it died
+            log.exception("fault handler died")
+            self.last_error = exc
+            raise
+
+    def _loop(self) -> None:
+        uffd = self._uffd
+        poller = select.poll()
+        poller.register(uffd, select.POLLIN)
+        poller.register(self._stop_fd, select.POLLIN)
+        iov = [self._msg_buf]
+        words = self._msg_q
+        readv = os.readv
+        clock = time.perf_counter_ns
+        pagefault = abi.UFFD_EVENT_PAGEFAULT
+        remove = abi.UFFD_EVENT_REMOVE
+        serve = self._serve
+        stop_fd = self._stop_fd
+        while not self._stopping:
+            ready = poller.poll(RETRY_INTERVAL_MS if self._pending else -1)
+            if self._stopping:
+                break
+            for fd, _ in ready:
+                if fd == stop_fd:  # retry_failed() wakes us through it too
+                    try:
+                        os.eventfd_read(stop_fd)
+                    except BlockingIOError:
+                        pass
+            try:
+                nbytes = readv(uffd, iov)
+            except BlockingIOError:
+                nbytes = 0
+            t0 = clock()
+            blocks = self._blocks
+            for w in range(0, nbytes >> 3, abi.MSG_WORDS):
+                event = words[w] & 0xFF
+                if event == pagefault:
+                    self._faults += 1
+                    serve(words[w + abi.MSG_WORD_PF_ADDRESS], blocks, t0)
+                elif event == remove:
+                    self._on_remove_event(words[w + abi.MSG_WORD_REMOVE_START],
+                                          words[w + abi.MSG_WORD_REMOVE_END])
+                else:
+                    self._other += 1
+            # Retry after the batch: a REMOVE read above has released EAGAIN'd copies;
+            # what fails again waits RETRY_INTERVAL_MS in the next poll, never spins.
+            if self._pending:
+                pending, self._pending = self._pending, []
+                t0 = clock()
+                for hva in pending:
+                    serve(hva, blocks, t0)
+
+    def _serve(self, address: int, blocks: tuple[_Block, ...], t0: int) -> None:
+        for b in blocks:
+            if b.lo <= address < b.hi:
+                break
+        else:
+            # Only block ranges are ever registered: a fault elsewhere is a bug upstream.
+            self._fail(UffdIoctlError("fault outside every RAM block", errno.EFAULT, address, 0), address)
+            return
+        shift = b.shift
+        page = address >> shift << shift
+        page_size = 1 << shift
+        try:
+            ok = b.fill(page + b.delta, b.out)
+        except Exception as exc:  # noqa: BLE001 - any source error leaves the fault waiting
+            self._fail(exc, page)
+            return
+        if not ok:
+            self._retries += 1
+            self._pending.append(page)
+            return
+        cq = self._copy_q
+        cq[0] = page
+        cq[1] = self._page_addr
+        cq[2] = page_size
+        cq[3] = 0
+        try:
+            fcntl.ioctl(self._uffd, abi.UFFDIO_COPY, self._copy_arg, True)
+        except OSError as err:
+            if not self._copy_failed(err.errno, page, page_size):
+                return
+        else:
+            self._served += 1
+        b.hot[(page - b.lo) >> shift] = 1
+        self._ring_mv[self._samples & self._ring_mask] = time.perf_counter_ns() - t0
+        self._samples += 1
+
+    def _copy_failed(self, err: int | None, page: int, page_size: int) -> bool:
+        """Handle a failed UFFDIO_COPY; True if the fault counts as answered."""
+        if err == errno.EEXIST:
+            # The page is back already; its waiters may not have been woken by whoever
+            # placed it (a copy with DONTWAKE, a duplicate message): wake them.
+            rq = self._range_q
+            rq[0] = page
+            rq[1] = page_size
+            try:
+                fcntl.ioctl(self._uffd, abi.UFFDIO_WAKE, self._range_arg, True)
+            except OSError as werr:
+                self._fail(UffdIoctlError("UFFDIO_WAKE", werr.errno or 0, page, page_size), page)
+                return False
+            self._eexist += 1
+            return True
+        if err == errno.EAGAIN:
+            # mmap_changing: a REMOVE (or other non-cooperative) event waits to be read.
+            self._retries += 1
+            self._pending.append(page)
+            return False
+        if err == errno.ENOENT:
+            # The range was unregistered after the fault was queued; UFFDIO_UNREGISTER
+            # already woke the thread, which now finds the page in the file (or a hole).
+            self._stale += 1
+            return False
+        if err == errno.ESRCH:
+            # QEMU's mm is gone: the process exited. Nothing left to serve.
+            self.peer_exited = True
+            self._stopping = True
+            return False
+        self._fail(UffdIoctlError("UFFDIO_COPY", err or 0, page, page_size), page)
+        return False
+
+    def _fail(self, exc: BaseException, page: int) -> None:
+        self._errors += 1
+        self._failed.append(page)
+        self.last_error = exc
+        log.error("fault at %#x left waiting: %s", page, exc)
+        if self._on_error is not None:
+            self._on_error(exc, page)
+
+    def _on_remove_event(self, start: int, end: int) -> None:
+        # Known race (kept here, where it lives): the kernel sends REMOVE before zapping
+        # the range and holds UFFDIO_COPY with EAGAIN until we read it. A fault in the
+        # range read *before* the event may still be served from the source afterwards;
+        # the guest freed those pages (balloon, free page reporting), so old content is
+        # as valid as zero for it. QEMU punches the file before its madvise.
+        self._removes += 1
+        for i, b in enumerate(self._blocks):
+            lo, hi = max(start, b.lo), min(end, b.hi)
+            if lo >= hi:
+                continue
+            first = (lo - b.lo) >> b.shift
+            last = (hi - b.lo + (1 << b.shift) - 1) >> b.shift
+            b.discarded[first:last] = b"\x01" * (last - first)
+            if self._on_remove is not None:
+                self._on_remove(i, first, last - first)

@@ -1,0 +1,299 @@
+"""Fault handler and prefetcher against a real uffd of this very process.
+
+No QEMU and no root needed: the uffd is made from /dev/userfaultfd when the test runs as
+root, else with userfaultfd(UFFD_USER_MODE_ONLY), which is enough because every access
+here is a user-mode read through ctypes.memmove (which also releases the GIL: a Python
+thread touching a missing page while holding the GIL would block the handler thread).
+The cross-process path (the preload library, an unprivileged "QEMU", a killed manager)
+is in tests/integration/test_uffd_export.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from azqemu.restore import uffd
+from azqemu.restore import uffd_abi as abi
+from azqemu.restore.errors import PageUnavailable, UffdIoctlError
+from azqemu.restore.export import RamBlock, UffdHandle
+from azqemu.restore.handler import FaultHandler
+from azqemu.restore.prefetch import Prefetcher, page_runs, prefetch
+from azqemu.restore.source import CompositeSource, StoreSource, ZeroSource
+
+PS = 4096
+PAGES = 256
+libc = ctypes.CDLL(None, use_errno=True)
+libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+MADV_DONTNEED = 4
+
+
+def make_uffd() -> int:
+    try:
+        dev = uffd.open_dev()
+        try:
+            fd = uffd.new_from_dev(dev)
+        finally:
+            os.close(dev)
+    except (PermissionError, UffdIoctlError):
+        try:
+            fd = uffd.new_syscall(user_mode_only=True)
+        except UffdIoctlError as err:
+            pytest.skip(f"no userfaultfd here: {err}")
+    uffd.api(fd, abi.UFFD_FEATURE_MISSING_SHMEM | abi.UFFD_FEATURE_EVENT_REMOVE)
+    return fd
+
+
+def pattern(page_idx: int, gen: int = 0) -> bytes:
+    return np.full(PS // 8, (page_idx << 16) | (gen << 8) | 0xA5, dtype=np.uint64).tobytes()
+
+
+class Store:
+    def __init__(self) -> None:
+        self.pages: dict[int, bytes] = {}
+
+    def decode_page_into(self, sandbox: str, page_idx: int, out: memoryview) -> None:
+        out[:] = self.pages[page_idx]
+
+
+class Ram:
+    """A memfd mapped MAP_SHARED here, filled with pattern(i), plus a uffd for it."""
+
+    def __init__(self, pages: int = PAGES) -> None:
+        self.size = pages * PS
+        self.memfd = os.memfd_create("azq-unit-ram", os.MFD_CLOEXEC)
+        os.ftruncate(self.memfd, self.size)
+        self.map = mmap.mmap(self.memfd, self.size, mmap.MAP_SHARED)
+        self._pin = ctypes.c_char.from_buffer(self.map)
+        self.addr = ctypes.addressof(self._pin)
+        for i in range(pages):
+            self.map[i * PS:(i + 1) * PS] = pattern(i)
+        self.block = RamBlock(self.addr, self.size, 0, PS, "azq-unit-ram", 0)
+        self.handle = UffdHandle(uffd=make_uffd(), ram_fds=[os.dup(self.memfd)], blocks=[self.block])
+        self.store = Store()
+
+    def save_and_punch(self, pages: list[int] | range) -> None:
+        """What the compressor does: register, save, punch (DESIGN: register first)."""
+        self.handle.register(self.addr, self.size)
+        for i in pages:
+            self.store.pages[i] = os.pread(self.memfd, PS, i * PS)
+            self.handle.punch(self.block, i * PS, PS)
+
+    def read(self, page_idx: int) -> bytes:
+        """A user-mode read of the page that does not hold the GIL while it faults."""
+        out = ctypes.create_string_buffer(PS)
+        ctypes.memmove(out, self.addr + page_idx * PS, PS)
+        return out.raw
+
+    def reader(self, pages: list[int], results: dict[int, bytes]) -> threading.Thread:
+        def run() -> None:
+            for i in pages:
+                results[i] = self.read(i)
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        return t
+
+    def close(self) -> None:
+        try:
+            self.handle.unregister(self.addr, self.size)
+        except UffdIoctlError:
+            pass
+        self.handle.close()
+        del self._pin
+        self.map.close()
+        os.close(self.memfd)
+
+
+@pytest.fixture
+def ram():
+    r = Ram()
+    yield r
+    r.close()
+
+
+def test_two_threads_fault_at_once(ram: Ram) -> None:
+    ram.save_and_punch(range(PAGES))
+    h = FaultHandler(ram.handle, StoreSource(ram.store, "sb"))
+    h.start()
+    got1: dict[int, bytes] = {}
+    got2: dict[int, bytes] = {}
+    t1 = ram.reader(list(range(PAGES)), got1)
+    t2 = ram.reader(list(reversed(range(PAGES))), got2)
+    t1.join(10)
+    t2.join(10)
+    h.close()
+    assert not t1.is_alive() and not t2.is_alive()
+    for i in range(PAGES):
+        assert got1[i] == pattern(i) and got2[i] == pattern(i), i
+    s = h.stats()
+    assert s.served == PAGES
+    assert s.faults == s.served + s.already_present  # duplicates answered by EEXIST + wake
+    assert s.errors == 0 and s.service_samples == s.faults
+    assert list(h.hot_pages()) == list(range(PAGES))
+    h.reset_hot()
+    assert len(h.hot_pages()) == 0
+
+
+def test_never_saved_page_is_served_zero_by_copy(ram: Ram) -> None:
+    ram.save_and_punch([1])
+    ram.handle.punch(ram.block, 2 * PS, PS)  # punched without being saved: zero by definition
+    comp = CompositeSource.for_sandbox(PAGES, PS, stored=[1], store=StoreSource(ram.store, "sb"))
+    with FaultHandler(ram.handle, comp) as h:
+        got: dict[int, bytes] = {}
+        ram.reader([1, 2], got).join(5)
+    assert got == {1: pattern(1), 2: bytes(PS)}
+    assert h.stats().served == 2  # both through UFFDIO_COPY, no bare wake
+
+
+def test_source_error_leaves_the_thread_waiting(ram: Ram) -> None:
+    ram.save_and_punch([5])
+    errors: list[tuple[BaseException, int]] = []
+    empty = StoreSource(Store(), "sb")  # lost the page: must never become a zero page
+    h = FaultHandler(ram.handle, empty, on_error=lambda exc, hva: errors.append((exc, hva)))
+    h.start()
+    got: dict[int, bytes] = {}
+    t = ram.reader([5], got)
+    t.join(0.5)
+    assert t.is_alive() and got == {}
+    assert h.stats().errors == 1
+    assert isinstance(h.last_error, PageUnavailable)
+    assert errors[0][1] == ram.addr + 5 * PS
+    h.set_source(0, StoreSource(ram.store, "sb"))
+    assert h.retry_failed() == 1
+    t.join(5)
+    h.close()
+    assert got == {5: pattern(5)}
+
+
+def test_retry_answer_is_asked_again(ram: Ram) -> None:
+    ram.save_and_punch([7])
+    inner = StoreSource(ram.store, "sb")
+
+    class Busy:
+        calls = 0
+
+        def fill(self, offset: int, out: memoryview) -> bool:
+            Busy.calls += 1
+            return Busy.calls > 2 and inner.fill(offset, out)
+
+    with FaultHandler(ram.handle, Busy()) as h:
+        got: dict[int, bytes] = {}
+        ram.reader([7], got).join(5)
+    assert got == {7: pattern(7)}
+    assert h.stats().retries == 2 and h.stats().served == 1
+
+
+def test_wake_after_a_lost_fault_message(ram: Ram) -> None:
+    """A manager that read a fault message and died: the next one must wake the range."""
+    ram.save_and_punch([9])
+    got: dict[int, bytes] = {}
+    t = ram.reader([9], got)
+    deadline = time.monotonic() + 5
+    while True:  # play the dying manager: read the message, never answer
+        try:
+            msg = os.read(ram.handle.uffd, abi.UFFD_MSG_SIZE)
+            break
+        except BlockingIOError:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+    assert msg[0] == abi.UFFD_EVENT_PAGEFAULT
+    h = FaultHandler(ram.handle, StoreSource(ram.store, "sb"))
+    h.start(wake=False)
+    t.join(0.3)
+    assert t.is_alive()  # nobody will ever resend that message
+    ram.handle.wake_all()  # what start(wake=True) does
+    t.join(5)
+    h.close()
+    assert got == {9: pattern(9)}
+
+
+def test_remove_event_is_read_and_recorded(ram: Ram) -> None:
+    removed: list[tuple[int, int, int]] = []
+    ram.save_and_punch([])
+    with FaultHandler(ram.handle, ZeroSource(), on_remove=lambda *a: removed.append(a)) as h:
+        # QEMU's discard of guest-freed pages: punch, then MADV_DONTNEED, which blocks
+        # until the handler has read UFFD_EVENT_REMOVE.
+        ram.handle.punch(ram.block, 16 * PS, 4 * PS)
+        done = threading.Event()
+
+        def discard() -> None:
+            assert libc.madvise(ram.addr + 16 * PS, 4 * PS, MADV_DONTNEED) == 0
+            done.set()
+        threading.Thread(target=discard, daemon=True).start()
+        assert done.wait(5)
+        deadline = time.monotonic() + 5
+        while h.stats().removes == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert h.stats().removes == 1
+    assert list(h.discarded_pages()) == [16, 17, 18, 19]
+    assert removed == [(0, 16, 4)]
+
+
+def test_prefetch_skips_present_pages(ram: Ram) -> None:
+    ram.save_and_punch(range(64))
+    src = StoreSource(ram.store, "sb")
+    with FaultHandler(ram.handle, src) as h:
+        got: dict[int, bytes] = {}
+        ram.reader([10, 11, 40], got).join(5)
+        res = prefetch(ram.handle.uffd, ram.block, np.arange(64), src)
+        assert (res.pages_requested, res.pages_copied, res.pages_present) == (64, 61, 3)
+        assert res.runs == 1
+        faults = h.stats().faults
+        for i in range(64):
+            assert ram.read(i) == pattern(i), i
+        assert h.stats().faults == faults  # everything was back: no more faults
+
+
+def test_prefetch_runs_and_partial_copies(ram: Ram) -> None:
+    ram.save_and_punch(range(PAGES))
+    src = StoreSource(ram.store, "sb")
+    # Make pages 3 and 100 present behind the prefetcher's back (as a fault would).
+    for i in (3, 100):
+        page = ctypes.create_string_buffer(pattern(i), PS)
+        assert uffd.copy(ram.handle.uffd, ram.addr + i * PS, ctypes.addressof(page), PS) == PS
+    with Prefetcher(ram.handle.uffd, chunk_bytes=8 * PS) as p:  # tiny chunks: many pieces
+        res = p.prefetch(ram.block, [0, 1, 2, 3, 4, 5, 100, 101, 255, 2, 1], src)
+        assert (res.pages_requested, res.pages_copied, res.pages_present, res.runs) == (9, 7, 2, 3)
+        assert res.bytes_copied == 7 * PS
+        res2 = p.prefetch(ram.block, range(PAGES), src)
+        assert res2.pages_copied == PAGES - 9 and res2.pages_present == 9
+    for i in range(PAGES):
+        assert ram.read(i) == pattern(i), i
+
+
+def test_prefetch_rejects_bad_indices(ram: Ram) -> None:
+    with Prefetcher(ram.handle.uffd, chunk_bytes=PS) as p, pytest.raises(PageUnavailable):
+        p.prefetch(ram.block, [PAGES], ZeroSource())
+
+
+def test_prefetch_into_an_unregistered_range_fails(ram: Ram) -> None:
+    ram.handle.punch(ram.block, 0, PS)
+    with pytest.raises(UffdIoctlError) as exc:
+        prefetch(ram.handle.uffd, ram.block, [0], ZeroSource())
+    assert exc.value.op == "UFFDIO_COPY" and exc.value.errno == 2  # ENOENT: not registered
+
+
+def test_page_runs() -> None:
+    starts, lengths = page_runs(np.array([1, 2, 3, 7, 9, 10]))
+    assert starts.tolist() == [1, 7, 9] and lengths.tolist() == [3, 1, 2]
+    starts, lengths = page_runs(np.array([], dtype=np.int64))
+    assert len(starts) == 0
+
+
+def test_register_outside_any_mapping_fails(ram: Ram) -> None:
+    with pytest.raises(UffdIoctlError) as exc:
+        ram.handle.register(0x1000, PS)  # page 1 is never mapped
+    assert (exc.value.op, exc.value.errno, exc.value.start) == ("UFFDIO_REGISTER", 22, 0x1000)
+
+
+def test_handler_checks_its_sources(ram: Ram) -> None:
+    with pytest.raises(ValueError, match="2 sources for 1 RAM blocks"):
+        FaultHandler(ram.handle, [ZeroSource(), ZeroSource()])
+    with pytest.raises(ValueError, match="power of two"):
+        FaultHandler(ram.handle, ZeroSource(), ring_size=1000)
