@@ -140,6 +140,7 @@ class FaultHandler:
         self.peer_exited = False
         self._stop_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self._stopping = False
+        self._retry_requested = False
         self._thread: threading.Thread | None = None
         self._faults = 0
         self._served = 0
@@ -158,6 +159,7 @@ class FaultHandler:
         send; woken, they fault again and their new message reaches us."""
         if self._thread is not None:
             raise RuntimeError("handler already started")
+        self._stopping = False
         self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
         self._thread.start()
         if wake:
@@ -205,11 +207,12 @@ class FaultHandler:
         self._blocks[block_index].fill = source.fill
 
     def retry_failed(self) -> int:
-        """Queue the faults left waiting after errors for another attempt."""
-        failed, self._failed = self._failed, []
-        self._pending.extend(failed)
+        """Ask the handler thread to try the faults left waiting after errors again
+        (after ``set_source`` fixed what was missing). Returns how many wait."""
+        waiting = len(self._failed)
+        self._retry_requested = True  # the loop moves them: it owns both lists
         os.eventfd_write(self._stop_fd, 1)  # wake the loop; _stopping stays False
-        return len(failed)
+        return waiting
 
     # -- results -------------------------------------------------------------------------
     def hot_pages(self, block_index: int = 0) -> np.ndarray:
@@ -273,6 +276,10 @@ class FaultHandler:
                         os.eventfd_read(stop_fd)
                     except BlockingIOError:
                         pass
+            if self._retry_requested:
+                self._retry_requested = False
+                self._pending.extend(self._failed)
+                self._failed = []
             try:
                 nbytes = readv(uffd, iov)
             except BlockingIOError:

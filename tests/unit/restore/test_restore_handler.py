@@ -297,3 +297,27 @@ def test_handler_checks_its_sources(ram: Ram) -> None:
         FaultHandler(ram.handle, [ZeroSource(), ZeroSource()])
     with pytest.raises(ValueError, match="power of two"):
         FaultHandler(ram.handle, ZeroSource(), ring_size=1000)
+
+
+def test_handler_restarts_after_stop(ram: Ram) -> None:
+    ram.save_and_punch([1, 2])
+    h = FaultHandler(ram.handle, StoreSource(ram.store, "sb"))
+    h.start()
+    got: dict[int, bytes] = {}
+    ram.reader([1], got).join(5)
+    h.stop()
+    assert not h.running
+    t = ram.reader([2], got)
+    t.join(0.3)
+    assert t.is_alive()  # stopped: the fault stays queued for the next start
+    h.start()
+    t.join(5)
+    h.close()
+    assert got == {1: pattern(1), 2: pattern(2)}
+    with pytest.raises(RuntimeError, match="already started"):
+        h2 = FaultHandler(ram.handle, ZeroSource())
+        h2.start()
+        try:
+            h2.start()
+        finally:
+            h2.close()
