@@ -281,19 +281,26 @@ def _run(argv: list[str], what: str, cwd: Path | None = None,
         raise ImageError(f"{what} failed (exit {err.returncode}): {last}") from err
 
 
-def _apt_download(package: str, dest: Path) -> Path:
-    """``apt-get download`` one package into dest; a missing package names the alternatives."""
+def _apt_download(package: str, dest: Path, say: Progress) -> Path:
+    """``apt-get download`` one package into dest. On failure the package lists are
+    refreshed once (a fresh machine has none; an old one may name removed versions) and
+    the download retried; a kernel that is still missing names where to find another."""
     dest.mkdir(parents=True, exist_ok=True)
+    # Sandbox user root: dest is a private build dir that _apt cannot enter.
+    argv = ["apt-get", "download", "-q", "-o", "APT::Sandbox::User=root", package]
     try:
-        # Sandbox user root: dest is a private build dir that _apt cannot enter.
-        _run(["apt-get", "download", "-q", "-o", "APT::Sandbox::User=root", package],
-             f"apt-get download {package}", cwd=dest)
-    except ImageError as err:
-        hint = ""
-        if package.startswith("linux-image-"):
-            hint = (f"; set [kernel] abi in {RECIPE_DIR / 'recipe.toml'} (or {KERNEL_ENV}) to one "
-                    "from: apt-cache policy 'linux-image-6.1.0-*-amd64' (run apt-get update first)")
-        raise ImageError(f"cannot download {package}: {err}{hint}") from err
+        _run(argv, f"apt-get download {package}", cwd=dest)
+    except ImageError:
+        say(f"apt-get download {package} failed: running apt-get update once")
+        _run(["apt-get", "update", "-q"], "apt-get update")
+        try:
+            _run(argv, f"apt-get download {package}", cwd=dest)
+        except ImageError as err:
+            hint = ""
+            if package.startswith("linux-image-"):
+                hint = (f"; set [kernel] abi in recipe.toml (or {KERNEL_ENV}) to one listed by "
+                        "apt-cache policy 'linux-image-6.1.0-*-amd64'")
+            raise ImageError(f"{err}{hint}") from err
     debs = sorted(dest.glob(f"{package}_*.deb"))
     if not debs:
         raise ImageError(f"apt-get download {package} left no .deb in {dest}")
@@ -746,8 +753,8 @@ def build_image(cfg: azq_config.Config | None = None, force: bool = False,
                 progress: Progress | None = None) -> GuestImage:
     """Build the image for the current recipe unless it is already in the cache.
 
-    Needs root (debootstrap, chroot) and the network to Debian's archive. Takes about 1.5
-    minutes here; ``progress`` receives one line per step.
+    Needs root (debootstrap, chroot) and the network to Debian's archive. Takes about a
+    minute here (debootstrap is most of it); ``progress`` receives one line per step.
     """
     say: Progress = progress or (lambda line: log.info("%s", line))
     recipe = load_recipe()
@@ -818,7 +825,7 @@ def _build_into(build_dir: Path, say: Progress) -> str:
         say(f"[{time.monotonic() - started:5.1f} s] {line}")
 
     step(f"building image {key}: kernel {recipe.kernel_package}")
-    kernel_deb = _apt_download(recipe.kernel_package, work / "debs")
+    kernel_deb = _apt_download(recipe.kernel_package, work / "debs", step)
     kernel_version = _deb_version(kernel_deb)
     kernel_tree = work / "kernel"
     _run(["dpkg-deb", "-x", str(kernel_deb), str(kernel_tree)], f"unpacking {kernel_deb.name}")
@@ -829,7 +836,7 @@ def _build_into(build_dir: Path, say: Progress) -> str:
     del kernel_bytes
 
     step(f"initramfs: busybox from {recipe.busybox_package}, modules {', '.join(recipe.modules)}")
-    busybox_deb = _apt_download(recipe.busybox_package, work / "debs")
+    busybox_deb = _apt_download(recipe.busybox_package, work / "debs", step)
     busybox_version = _deb_version(busybox_deb)
     busybox_tree = work / "busybox"
     _run(["dpkg-deb", "-x", str(busybox_deb), str(busybox_tree)], f"unpacking {busybox_deb.name}")

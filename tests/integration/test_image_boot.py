@@ -27,7 +27,7 @@ pytestmark = pytest.mark.vm
 
 QEMU = "qemu-system-x86_64"
 MEM_MIB = 512
-BOOT_TIMEOUT_S = 120.0      # TCG boot takes ~5 s here; generous for a loaded CI machine
+BOOT_TIMEOUT_S = 120.0      # TCG boot takes ~2.5 s here; generous for a loaded CI machine
 SYNC_INTERVAL_S = 0.1       # how often guest-sync is retried while the guest boots
 EXEC_TIMEOUT_S = 120.0
 
@@ -120,7 +120,7 @@ def guest_image() -> GuestImage:
 def booted(guest_image: GuestImage) -> Iterator[dict]:
     """One TCG guest for the whole module; only the QEMU started here is ever killed."""
     workdir = Path(tempfile.mkdtemp(prefix="azq-imgboot-"))
-    qga_path, console = workdir / "qga.sock", workdir / "console.log"
+    qga_path, agent_path, console = workdir / "qga.sock", workdir / "agent.sock", workdir / "console.log"
     argv = [QEMU, "-accel", "tcg", "-machine", "q35", "-m", str(MEM_MIB), "-smp", "1",
             "-nographic", "-no-reboot", "-nic", "none",
             "-kernel", str(guest_image.kernel), "-initrd", str(guest_image.initrd),
@@ -128,7 +128,9 @@ def booted(guest_image: GuestImage) -> Iterator[dict]:
             "-drive", f"file={guest_image.rootfs},if=virtio,format=raw,readonly=on",
             "-device", "virtio-serial-pci",
             "-chardev", f"socket,id=qga0,path={qga_path},server=on,wait=off",
-            "-device", "virtserialport,chardev=qga0,name=org.qemu.guest_agent.0"]
+            "-device", "virtserialport,chardev=qga0,name=org.qemu.guest_agent.0",
+            "-chardev", f"socket,id=azq0,path={agent_path},server=on,wait=off",
+            "-device", "virtserialport,chardev=azq0,name=org.azqemu.agent.0"]
     started = time.monotonic()
     with open(console, "wb") as console_file:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=console_file,
@@ -142,16 +144,20 @@ def booted(guest_image: GuestImage) -> Iterator[dict]:
                 raise AssertionError("QEMU did not create the guest agent socket")
             time.sleep(0.02)
         client = QgaClient(qga_path)
+        agent_sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        agent_sock.connect(str(agent_path))
         try:
             client.wait_ready(BOOT_TIMEOUT_S)
         except AssertionError as err:
             raise AssertionError(f"{err}; console:\n{console.read_text(errors='replace')[-3000:]}") from err
         boot_s = time.monotonic() - started
         print(f"\nboot to guest-agent answer under TCG: {boot_s:.2f} s")
-        yield {"client": client, "boot_s": boot_s, "console": console, "image": guest_image}
+        yield {"client": client, "boot_s": boot_s, "console": console, "image": guest_image,
+               "agent_sock": agent_sock}
     finally:
         if client is not None:
             client.close()
+            agent_sock.close()
         proc.terminate()
         try:
             proc.wait(timeout=10)
@@ -204,3 +210,25 @@ def test_qemu_ga_comes_back_after_a_kill(booted: dict) -> None:
     client.wait_ready(30)
     code, new_pid, _ = client.run("pidof qemu-ga")
     assert code == 0 and new_pid.strip() != out.strip()
+
+
+def test_in_guest_agent_slot(booted: dict) -> None:
+    """guest-agent/ is installed and started when the image has it and the port exists."""
+    client = booted["client"]
+    code, out, _ = client.run("ls /usr/local/lib/azq-agent/")
+    if "azq_guest_agent.py" not in out:
+        pytest.skip("guest-agent/ had no azq_guest_agent.py when the image was built")
+    if "azq-phase" in out:
+        assert client.run("readlink /usr/local/bin/azq-phase")[1].strip() == "/usr/local/lib/azq-agent/azq-phase"
+    deadline = time.monotonic() + 30
+    while client.run("pgrep -f azq_guest_agent.py")[0] != 0:
+        assert time.monotonic() < deadline, "the in-guest agent is not running"
+        time.sleep(0.5)
+    # It speaks JSON lines on its own port (the protocol is guest-agent/'s business).
+    sock, data = booted["agent_sock"], b""
+    sock.settimeout(10)
+    while b"\n" not in data:
+        chunk = sock.recv(4096)
+        assert chunk, "agent port closed"
+        data += chunk
+    assert json.loads(data.split(b"\n", 1)[0])
