@@ -35,7 +35,17 @@ from azqemu.memory.kinds import (
 from azqemu.memory.pagehash import page_hashes_rows
 from azqemu.memory.simindex import SimilarityIndex, sample_fingerprints
 from azqemu.memory.template import TemplateImage
-from azqemu.memory.zstdlib import PageZstd
+from azqemu.memory.zstdlib import (
+    C_PREFIX_T,
+    C_RAW,
+    C_ZSTD,
+    F_HAS_S,
+    F_PREFIX_S,
+    F_PREFIX_T,
+    F_XOR_S,
+    F_XOR_T,
+    PageZstd,
+)
 
 # Pages per vectorised classification step: 1 MiB of pages plus as much template data, so
 # the gathered template pages are still in cache when they are compared.
@@ -231,7 +241,6 @@ class Encoder:
                       sim_t: SimilarityIndex, sim_b: SimilarityIndex | None, blob_of_row: dict[int, int]) -> None:
         opt = self.opt
         z = self.zstd
-        fast = z.backend == "libzstd"
         budget = opt.decode_budget_us
         m = len(uniq)
         prow_all = rest[uniq]
@@ -278,9 +287,69 @@ class Encoder:
         spx = self._scratch("sx", m)
         np.bitwise_xor(up, sref, out=spx)
 
+        try_prefix_t = has_t if opt.effort >= 2 else related_t
+        c_x, c_p = DECODE_COST_US[Method.XOR], DECODE_COST_US[Method.PREFIX]
+        if z.native is not None:
+            flags = ((do_xor_t & (c_x <= budget)) * F_XOR_T
+                     | (try_prefix_t & (c_p <= budget)) * F_PREFIX_T
+                     | has_s * F_HAS_S
+                     | (do_xor_s & (c_x + s_cost <= budget)) * F_XOR_S
+                     | (has_s & (c_p + s_cost <= budget)) * F_PREFIX_S).astype(np.uint8)
+            res = z.encode_batch(m, up, tpages, xpages, sref, spx, flags, TINY_DELTA_BYTES, DELTA_MIN_GAIN_BYTES,
+                                 SMALL_ENOUGH_BYTES, opt.raw_threshold_bytes)
+            if res is not None:
+                self._take_native(plan, res, uniq, prow_all, pidx, key, check, fps, s_kind, s_ref, blob_of_row)
+                return
+        self._python_loop(plan, up, tpages, xpages, sref, spx, do_xor_t, try_prefix_t, has_s, do_xor_s,
+                          s_kind, s_ref, s_cost, pidx, uniq, prow_all, key, check, fps, blob_of_row)
+
+    def _take_native(self, plan: Plan, res: tuple[np.ndarray, ...], uniq: np.ndarray, prow_all: np.ndarray,
+                     pidx: np.ndarray, key: np.ndarray, check: np.ndarray, fps: np.ndarray, s_kind: np.ndarray,
+                     s_ref: np.ndarray, blob_of_row: dict[int, int]) -> None:
+        out, off, length, choice, tries = res
+        for name, v in zip(("zstd", "xor", "prefix", "sdelta"), tries.tolist()):
+            plan.tries[name] += int(v)
+        kind = plan.kind
+        raw = choice == C_RAW
+        kind[prow_all[raw]] = _K_RAW
+        keep = np.flatnonzero(~raw)
+        if len(keep) == 0:
+            return
+        ch = choice[keep].astype(np.int64)
+        # choice -> (kind, method, reftype, ref), vectorised
+        k_of = np.array([_K_ZSTD, _K_TDELTA, _K_TDELTA, _K_SDELTA, _K_SDELTA], dtype=np.uint8)
+        m_of = np.array([_M_ZSTD, _M_XOR, _M_PREFIX, _M_XOR, _M_PREFIX], dtype=np.uint8)
+        s_rt = np.where(s_kind[keep] == 1, _R_TEMPLATE, _R_BLOB)
+        reftype = np.select([ch == C_ZSTD, ch <= C_PREFIX_T], [_R_NONE, _R_TEMPLATE], s_rt)
+        ref = np.select([ch == C_ZSTD, ch <= C_PREFIX_T], [0, pidx[keep]], s_ref[keep])
+        rows = uniq[keep]
+        prows = prow_all[keep]
+        first = len(plan.blobs)
+        buf = out.tobytes()
+        fp_ok = reftype != _R_BLOB
+        for j, (r, o, n, mth, rt, rf, kk, ck, ok) in enumerate(zip(
+                rows.tolist(), off[keep].tolist(), length[keep].tolist(), m_of[ch].tolist(), reftype.tolist(),
+                ref.tolist(), key[rows].tolist(), check[rows].tolist(), fp_ok.tolist())):
+            plan.blobs.append(NewBlob(r, mth, rt, rf, buf[o:o + n], kk, ck, fps[keep[j]] if ok else None))
+            blob_of_row[r] = first + j
+        kind[prows] = k_of[ch]
+        plan.target[prows] = T_NEW
+        plan.ref[prows] = np.arange(first, first + len(keep))
+
+    def _python_loop(self, plan: Plan, up: np.ndarray, tpages: np.ndarray, xpages: np.ndarray, sref: np.ndarray,
+                     spx: np.ndarray, do_xor_t: np.ndarray, try_prefix_t: np.ndarray, has_s: np.ndarray,
+                     do_xor_s: np.ndarray, s_kind: np.ndarray, s_ref: np.ndarray, s_cost: np.ndarray,
+                     pidx: np.ndarray, uniq: np.ndarray, prow_all: np.ndarray, key: np.ndarray, check: np.ndarray,
+                     fps: np.ndarray, blob_of_row: dict[int, int]) -> None:
+        """The per-page attempts in Python (the fallback of _pagecodec.c's azq_encode_batch)."""
+        opt = self.opt
+        z = self.zstd
+        fast = z.backend == "libzstd"
+        budget = opt.decode_budget_us
+        m = len(uniq)
         base_up, base_t, base_x = up.ctypes.data, tpages.ctypes.data, xpages.ctypes.data
         base_s, base_sx = sref.ctypes.data, spx.ctypes.data
-        try_prefix_t = (has_t if opt.effort >= 2 else related_t).tolist()
+        try_prefix_t_l = try_prefix_t.tolist()
         do_xor_t_l, has_s_l, do_xor_s_l = do_xor_t.tolist(), has_s.tolist(), do_xor_s.tolist()
         s_kind_l, s_ref_l, s_cost_l = s_kind.tolist(), s_ref.tolist(), s_cost.tolist()
         pidx_l, uniq_l, prow_l = pidx.tolist(), uniq.tolist(), prow_all.tolist()
@@ -306,7 +375,7 @@ class Encoder:
                     best = pay
                     b_kind, b_method, b_reftype, b_ref = _K_ZSTD, _M_ZSTD, _R_NONE, 0
                     limit = len(best) - DELTA_MIN_GAIN_BYTES
-            if try_prefix_t[i] and prefix_ok and limit > SMALL_ENOUGH_BYTES:
+            if try_prefix_t_l[i] and prefix_ok and limit > SMALL_ENOUGH_BYTES:
                 pay = z.compress_addr(base_up + off, base_t + off) if fast else z.compress(up[i], tpages[i])
                 tries["prefix"] += 1
                 if len(pay) < limit:

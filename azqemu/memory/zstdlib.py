@@ -82,6 +82,35 @@ def _load_libzstd() -> Any | None:
 
 _LIB = _load_libzstd()
 
+# The optional C loops (_pagecodec.c, built by the Makefile). Flags and choices mirror the C enums.
+F_XOR_T, F_PREFIX_T, F_XOR_S, F_PREFIX_S, F_HAS_S = 1, 2, 4, 8, 16
+C_ZSTD, C_XOR_T, C_PREFIX_T, C_XOR_S, C_PREFIX_S, C_RAW = 0, 1, 2, 3, 4, 255
+NATIVE_ABI = 1
+
+
+def _load_native() -> Any | None:
+    if _LIB is None or os.environ.get("AZQ_NATIVE", "1") == "0":
+        return None
+    path = os.environ.get("AZQ_PAGECODEC_LIB") or os.path.join(os.path.dirname(__file__), "_pagecodec.so")
+    if not os.path.exists(path):
+        return None
+    try:
+        lib = ctypes.CDLL(path)
+        lib.azq_pagecodec_abi.restype = _I
+        if lib.azq_pagecodec_abi() != NATIVE_ABI:
+            return None
+        lib.azq_encode_batch.restype = ctypes.c_long
+        lib.azq_encode_batch.argtypes = [_V, _I, _V, _V, _V, _V, _V, _V, ctypes.c_long, ctypes.c_long,
+                                         ctypes.c_long, ctypes.c_long, _V, _S, _V, _V, _V, _V]
+        lib.azq_decode_batch.restype = ctypes.c_long
+        lib.azq_decode_batch.argtypes = [_V, _I, _V, _V, _V, _V, _V, _V, _V]
+        return lib
+    except (OSError, AttributeError):
+        return None
+
+
+_NATIVE = _load_native()
+
 
 class _CtxPair:
     """One compression and one decompression context of libzstd (freed with the object)."""
@@ -122,6 +151,8 @@ class PageZstd:
         if backend == "libzstd" and _LIB is None:
             raise RuntimeError("libzstd.so.1 is not available")
         self.backend = backend
+        # The C loops share libzstd's contexts, so they come with the libzstd backend only.
+        self.native = _NATIVE if backend == "libzstd" else None
         self._tls = threading.local()
         self._params = zstandard.ZstdCompressionParameters.from_level(
             level, source_size=PAGE_SIZE, format=zstandard.FORMAT_ZSTD1_MAGICLESS,
@@ -196,6 +227,44 @@ class PageZstd:
         if lib.ZSTD_isError(n) or n != PAGE_SIZE:
             raise StoreCorrupt(what, "undecodable zstd frame" if lib.ZSTD_isError(n)
                                else f"frame decodes to {n} bytes, not a page")
+
+
+    # -- batch loops in C (see _pagecodec.c) -------------------------------------------------
+    def encode_batch(self, m: int, up: np.ndarray, tp: np.ndarray, xp: np.ndarray, sp: np.ndarray,
+                     sxp: np.ndarray, flags: np.ndarray, tiny: int, gain: int, small: int, raw_limit: int
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+        """Run the attempts of ``m`` pages in C: (out, off, length, choice, tries) or None on failure."""
+        ctx = self._ctx()
+        out = np.empty(m * BOUND_BYTES, dtype=np.uint8)
+        off = np.empty(m, dtype=np.uint32)
+        length = np.empty(m, dtype=np.uint16)
+        choice = np.empty(m, dtype=np.uint8)
+        tries = np.zeros(4, dtype=np.uint64)
+        flags = np.ascontiguousarray(flags, dtype=np.uint8)
+        used = self.native.azq_encode_batch(
+            ctx.cctx, m, up.ctypes.data, tp.ctypes.data, xp.ctypes.data, sp.ctypes.data, sxp.ctypes.data,
+            flags.ctypes.data, tiny, gain, small, raw_limit, out.ctypes.data, out.nbytes, off.ctypes.data,
+            length.ctypes.data, choice.ctypes.data, tries.ctypes.data)
+        if used < 0:
+            return None
+        return out, off, length, choice, tries
+
+    def decode_batch(self, payload: bytes, src_off: np.ndarray, src_len: np.ndarray, method: np.ndarray,
+                     ref_addr: np.ndarray, dst: np.ndarray, dst_row: np.ndarray) -> int:
+        """Decode payloads into ``dst`` rows in C; -1 on success, else the first bad index."""
+        ctx = self._ctx()
+        src_off = np.ascontiguousarray(src_off, dtype=np.uint32)
+        src_len = np.ascontiguousarray(src_len, dtype=np.uint32)
+        method = np.ascontiguousarray(method, dtype=np.uint8)
+        ref_addr = np.ascontiguousarray(ref_addr, dtype=np.uint64)
+        dst_row = np.ascontiguousarray(dst_row, dtype=np.int64)
+        return int(self.native.azq_decode_batch(ctx.dctx, len(src_off), payload, src_off.ctypes.data,
+                                                src_len.ctypes.data, method.ctypes.data, ref_addr.ctypes.data,
+                                                dst.ctypes.data, dst_row.ctypes.data))
+
+
+def native_available() -> bool:
+    return _NATIVE is not None
 
 
 def available_backends() -> list[str]:
