@@ -209,13 +209,13 @@ class Encoder:
         blob_of_row = self._encode_unique(plan, pages, rest, key, check, uniq, template, domain)
         # Later batch duplicates follow their representative (which may have become RAW).
         for i in np.flatnonzero(first_of >= 0).tolist():
-            j = blob_of_row.get(int(first_of[i]))
-            if j is None:
+            jj = blob_of_row.get(int(first_of[i]))
+            if jj is None:
                 kind[rest[i]] = int(Kind.RAW)
             else:
                 kind[rest[i]] = int(Kind.DUP)
                 target[rest[i]] = T_NEW
-                ref[rest[i]] = j
+                ref[rest[i]] = jj
         return plan
 
     def _scratch(self, name: str, rows: int) -> np.ndarray:
@@ -231,6 +231,7 @@ class Encoder:
         blob_of_row: dict[int, int] = {}
         sim_b = domain.sim_index() if (domain is not None and self.opt.use_siblings) else None
         sim_t = template.simindex()
+        assert isinstance(sim_t, SimilarityIndex)
         for s in range(0, len(uniq), UNIQUE_CHUNK_PAGES):
             self._encode_chunk(plan, pages, rest, key, check, uniq[s:s + UNIQUE_CHUNK_PAGES], template,
                                domain, sim_t, sim_b, blob_of_row)
@@ -250,7 +251,7 @@ class Encoder:
         uw = up.view(np.uint64)
         # Same-address template page (holes and zero template pages give no TDELTA).
         trows = template.rows(pidx)
-        has_t = trows >= 0
+        has_t: np.ndarray = np.asarray(trows >= 0)
         if has_t.any():
             has_t[has_t] = ~template.is_zero[trows[has_t]]
         tpages = self._scratch("t", m)

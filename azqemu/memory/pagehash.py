@@ -26,7 +26,7 @@ def page_hashes(pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if n == 0:
         return np.zeros(0, np.uint64), np.zeros(0, np.uint64)
     pages = np.ascontiguousarray(pages)
-    mv = memoryview(pages).cast("B")
+    mv = pages.data.cast("B")
     raw = b"".join([_digest(mv[i * PAGE_SIZE:(i + 1) * PAGE_SIZE]) for i in range(n)])
     both = np.frombuffer(raw, dtype="<u8").reshape(n, 2)
     return both[:, 0].copy(), both[:, 1].copy()
@@ -39,19 +39,23 @@ def page_hashes_rows(pages: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, n
         return np.zeros(0, np.uint64), np.zeros(0, np.uint64)
     if not pages.flags.c_contiguous:
         return page_hashes(pages[rows])
-    mv = memoryview(pages).cast("B")
+    mv = pages.data.cast("B")
     raw = b"".join([_digest(mv[r * PAGE_SIZE:(r + 1) * PAGE_SIZE]) for r in rows.tolist()])
     both = np.frombuffer(raw, dtype="<u8").reshape(n, 2)
     return both[:, 0].copy(), both[:, 1].copy()
 
 
+def _buf(page: np.ndarray | bytes | memoryview) -> bytes | memoryview:
+    return np.ascontiguousarray(page).data if isinstance(page, np.ndarray) else page
+
+
 def page_hash(page: np.ndarray | bytes | memoryview) -> tuple[int, int]:
-    d = _digest(page)
+    d = _digest(_buf(page))
     return int.from_bytes(d[:8], "little"), int.from_bytes(d[8:], "little")
 
 
 def page_check(page: np.ndarray | bytes | memoryview) -> int:
-    return int.from_bytes(_digest(page)[8:], "little")
+    return int.from_bytes(_digest(_buf(page))[8:], "little")
 
 
 def page_checks(pages: np.ndarray) -> np.ndarray:

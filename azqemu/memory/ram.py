@@ -186,7 +186,7 @@ def _read_extents_into(fd: int, extents: list[tuple[int, int]], dest: np.ndarray
     """
     if not extents:
         return
-    flat = memoryview(dest).cast("B")
+    flat = dest.data.cast("B")
     gap_buf = memoryview(bytearray(MAX_GAP_BYTES))
     pos = 0            # bytes of dest filled
     i = 0
@@ -331,6 +331,6 @@ def write_sparse_image(path: str | Path, page_idx: np.ndarray, pages: np.ndarray
         ends = np.concatenate([breaks, [len(idx)]])
         for s, e in zip(starts, ends):
             run = np.ascontiguousarray(pages[order[s:e]])
-            os.pwritev(fd, [memoryview(run).cast("B")], int(idx[s]) << PAGE_SHIFT)
+            os.pwritev(fd, [run.data.cast("B")], int(idx[s]) << PAGE_SHIFT)
     finally:
         os.close(fd)

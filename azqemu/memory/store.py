@@ -400,7 +400,7 @@ class PageStore:
 
     def _decode_recipe(self, r: _Recipe, out: np.ndarray, template: TemplateImage) -> None:
         """Decode one blob into ``out`` (a 4096-byte C-contiguous array) and verify it."""
-        ref_page: np.ndarray | None = None
+        ref_page: np.ndarray = _ZERO_ARRAY
         if r.reftype == _REFTYPE_TEMPLATE:
             tp = template.page(r.ref)
             ref_page = _ZERO_ARRAY if tp is None else tp
@@ -418,7 +418,7 @@ class PageStore:
             np.bitwise_xor(out, ref_page, out=out)
         else:
             raise StoreCorrupt(str(self.root), f"blob {r.blob}: unknown method {r.method}")
-        if int.from_bytes(_DIGEST(out)[8:], "little") != r.check:
+        if int.from_bytes(_DIGEST(out.data)[8:], "little") != r.check:
             raise ChecksumMismatch(-1, f"blob {r.blob}")
 
     def _scratch(self, slot: int) -> np.ndarray:
@@ -444,15 +444,15 @@ class PageStore:
             k = int(idx.kind[e])
             template = self._templates.get(sb.template_id) or self._template(sb.template_id)
             recipe = None
+            src: np.ndarray = _ZERO_ARRAY
+            expect = ZERO_CHECK
             if k == _KIND_ZERO:
-                src = None
+                pass
             elif k == _KIND_TEMPLATE or (int(idx.flags[e]) & FLAG_REF_TEMPLATE):
                 tpage = page_idx if k == _KIND_TEMPLATE else int(idx.ref[e])
-                src = template.page(tpage)
-                if src is None:
-                    src = _ZERO_ARRAY
-                    expect = ZERO_CHECK
-                else:
+                tp = template.page(tpage)
+                if tp is not None:
+                    src = tp
                     expect = int(template.check[template.row_of[tpage]])
             else:
                 recipe = self._recipe(int(idx.ref[e]))
@@ -460,7 +460,7 @@ class PageStore:
             out[:PAGE_SIZE] = _ZERO_ARRAY
             return
         if recipe is None:
-            if int.from_bytes(_DIGEST(src)[8:], "little") != expect:
+            if int.from_bytes(_DIGEST(src.data)[8:], "little") != expect:
                 raise ChecksumMismatch(page_idx, "template page")
             out[:PAGE_SIZE] = src
             return
@@ -596,7 +596,9 @@ class PageStore:
                 elif mth == _M_ZSTD or mth == _M_XOR:
                     z.decompress_into(frame, out[dst], None, what)
                     if mth == _M_XOR:
-                        np.bitwise_xor(out[dst], ref_arr[i], out=out[dst])
+                        ra = ref_arr[i]
+                        assert ra is not None
+                        np.bitwise_xor(out[dst], ra, out=out[dst])
                 else:
                     raise StoreCorrupt(str(self.root), f"{what}: unknown method {mth}")
         bad_rows = page_hashes_rows(out, rows)[1] != b.check

@@ -60,7 +60,9 @@ class TemplateImage:
         self.row_of = np.full(self.n_pages + 1, -1, dtype=np.int32)   # last slot: "outside"
         self.row_of[idx] = np.arange(len(idx), dtype=np.int32)
         self.key, self.check = page_hashes(pg)
-        self.is_zero = ~pg.view(np.uint64).any(axis=1) if len(pg) else np.zeros(0, bool)
+        self.is_zero: np.ndarray = np.zeros(len(pg), dtype=bool)
+        if len(pg):
+            self.is_zero = np.logical_not(pg.view(np.uint64).any(axis=1))
         # Duplicate lookup: keys of the non-zero data pages, sorted.
         nz = np.flatnonzero(~self.is_zero)
         order = np.argsort(self.key[nz], kind="stable")

@@ -193,10 +193,11 @@ class PageZstd:
             r = None if ref is None else np.ascontiguousarray(
                 np.frombuffer(ref, dtype=np.uint8) if isinstance(ref, bytes) else ref)
             return self.compress_addr(p.ctypes.data, 0 if r is None else r.ctypes.data)
+        data = page if isinstance(page, bytes) else np.ascontiguousarray(page).tobytes()
         if ref is None:
-            return self._py()[0].compress(page)
+            return bytes(self._py()[0].compress(data))
         d = zstandard.ZstdCompressionDict(bytes(ref), dict_type=zstandard.DICT_TYPE_RAWCONTENT)
-        return zstandard.ZstdCompressor(compression_params=self._params, dict_data=d).compress(page)
+        return bytes(zstandard.ZstdCompressor(compression_params=self._params, dict_data=d).compress(data))
 
     # -- decompression --------------------------------------------------------------------
     def decompress_into(self, payload: bytes, out: np.ndarray, ref: np.ndarray | None = None,
@@ -241,6 +242,7 @@ class PageZstd:
         choice = np.empty(m, dtype=np.uint8)
         tries = np.zeros(4, dtype=np.uint64)
         flags = np.ascontiguousarray(flags, dtype=np.uint8)
+        assert self.native is not None
         used = self.native.azq_encode_batch(
             ctx.cctx, m, up.ctypes.data, tp.ctypes.data, xp.ctypes.data, sp.ctypes.data, sxp.ctypes.data,
             flags.ctypes.data, tiny, gain, small, raw_limit, out.ctypes.data, out.nbytes, off.ctypes.data,
@@ -258,6 +260,7 @@ class PageZstd:
         method = np.ascontiguousarray(method, dtype=np.uint8)
         ref_addr = np.ascontiguousarray(ref_addr, dtype=np.uint64)
         dst_row = np.ascontiguousarray(dst_row, dtype=np.int64)
+        assert self.native is not None
         return int(self.native.azq_decode_batch(ctx.dctx, len(src_off), payload, src_off.ctypes.data,
                                                 src_len.ctypes.data, method.ctypes.data, ref_addr.ctypes.data,
                                                 dst.ctypes.data, dst_row.ctypes.data))
