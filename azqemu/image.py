@@ -18,6 +18,7 @@ Cache layout::
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import gzip
 import hashlib
@@ -26,8 +27,10 @@ import logging
 import lzma
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
+import threading
 import time
 import tomllib
 from collections.abc import Callable, Iterator
@@ -265,20 +268,51 @@ TOOL_PACKAGES = {"debootstrap": "debootstrap", "mkfs.ext4": "e2fsprogs", "e2fsck
 
 def _run(argv: list[str], what: str, cwd: Path | None = None,
          env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run a build tool; a failure becomes one ImageError line, its output's tail the log."""
+    """Run a build tool; a failure becomes one ImageError line, its output's tail the log.
+
+    The tool gets its own process group, and any exception here (Ctrl-C, the SIGTERM that
+    build_image turns into one) kills the whole group: debootstrap's dpkg and chroot
+    children must not go on writing into a build dir that is being deleted.
+    """
     log.debug("run: %s", " ".join(argv))
     try:
-        return subprocess.run(argv, check=True, capture_output=True, text=True, errors="replace",
-                              cwd=cwd, env=env, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                errors="replace", cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
     except FileNotFoundError as err:
         package = TOOL_PACKAGES.get(Path(argv[0]).name, argv[0])
         raise ImageError(f"{what}: {argv[0]} not found (apt-get install {package})") from err
-    except subprocess.CalledProcessError as err:
-        lines = (err.stderr or err.stdout or "").strip().splitlines()
-        tail = lines[-STDERR_TAIL_LINES:]
-        log.error("%s failed (exit %d): %s\n%s", what, err.returncode, " ".join(argv), "\n".join(tail))
+    try:
+        stdout, stderr = proc.communicate()
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    if proc.returncode != 0:
+        tail = (stderr or stdout or "").strip().splitlines()[-STDERR_TAIL_LINES:]
+        log.error("%s failed (exit %d): %s\n%s", what, proc.returncode, " ".join(argv), "\n".join(tail))
         last = tail[-1].strip() if tail else "no output"
-        raise ImageError(f"{what} failed (exit {err.returncode}): {last}") from err
+        raise ImageError(f"{what} failed (exit {proc.returncode}): {last}")
+    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+
+
+@contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """Turn SIGTERM into KeyboardInterrupt while building, so the build dir is cleaned up
+    (Python's default SIGTERM ends the process without running finally blocks)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _apt_download(package: str, dest: Path, say: Progress) -> Path:
@@ -320,6 +354,23 @@ def _unmount_under(path: Path) -> None:
         return
     for mount_point in sorted((m for m in mounts if m.startswith(prefix)), key=len, reverse=True):
         subprocess.run(["umount", "-l", mount_point], check=False, capture_output=True)
+
+
+def _kill_users_of(path: Path) -> None:
+    """SIGKILL processes working inside path: after a builder was SIGKILLed, its debootstrap
+    (own session) and the dpkg it chroot'ed into the tree may still run. Found by their
+    root or cwd (/proc/PID/root, /proc/PID/cwd) or an argument naming the path."""
+    prefix = str(path.resolve())
+    for proc_dir in Path("/proc").glob("[0-9]*"):
+        try:
+            places = [os.readlink(proc_dir / "root"), os.readlink(proc_dir / "cwd"),
+                      *(proc_dir / "cmdline").read_bytes().decode(errors="replace").split("\0")]
+        except OSError:
+            continue                        # gone meanwhile, or a kernel thread
+        if any(p == prefix or p.startswith(prefix + "/") for p in places):
+            with contextlib.suppress(OSError):
+                os.kill(int(proc_dir.name), signal.SIGKILL)
+                log.warning("killed pid %s left working in %s", proc_dir.name, path)
 
 
 def _remove_tree(path: Path) -> None:
@@ -785,12 +836,14 @@ def build_image(cfg: azq_config.Config | None = None, force: bool = False,
                     pass
             for stale in [*cache_dir.glob(".build-*"), *cache_dir.glob(".old-*")]:
                 say(f"removing {stale.name} left by an interrupted build")
+                _kill_users_of(stale)
                 _remove_tree(stale)
             build_dir = Path(tempfile.mkdtemp(prefix=f".build-{key}-", dir=cache_dir))
             try:
-                key = _build_into(build_dir, say)
-                _make_readable(build_dir / "out")
-                _publish(build_dir / "out", cache_dir, key)
+                with _sigterm_raises():
+                    key = _build_into(build_dir, say)
+                    _make_readable(build_dir / "out")
+                    _publish(build_dir / "out", cache_dir, key)
             finally:
                 _remove_tree(build_dir)
         os.chmod(cache_dir, 0o755)
