@@ -24,6 +24,10 @@ BLOB_DTYPE = np.dtype([("key", "<u8"), ("check", "<u8"), ("offset", "<u4"), ("re
                        ("refcount", "<u4"), ("arena", "<u2"), ("length", "<u2"), ("domain", "<u2"),
                        ("method", "u1"), ("reftype", "u1")])      # 36 bytes
 DUP_INDEX_ENTRY_BYTES = 8 + 4        # u64 key + u32 blob id
+# Blobs enter their domain's similarity index with two of the four sampled blocks (Difference
+# Engine's two): each entry costs 12 bytes per blob, owned by the sandboxes, whereas the
+# template's index (all four samples) is the template's cost.
+BLOB_SIM_SLOTS = (0, 2)
 MAX_BLOBS = (1 << 32) - 2
 MAX_DOMAINS = (1 << 16) - 1
 
@@ -143,6 +147,7 @@ class BlobTable:
 
     def add_sim(self, d: DomainState, fps: np.ndarray, ids: np.ndarray) -> None:
         if len(ids):
+            fps = np.asarray(fps)[:, list(BLOB_SIM_SLOTS)]
             d.sim_pending.append(SimilarityIndex.build(fps, np.asarray(ids, dtype=np.uint32)))
 
     def _merge_sim(self, d: DomainState) -> None:

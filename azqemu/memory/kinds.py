@@ -51,13 +51,12 @@ class RefType(enum.IntEnum):
     BLOB = 2          # ``ref`` is a blob id of the same domain (an SDELTA base)
 
 
-# Sandbox index entries: runs of ZERO/TEMPLATE pages coalesce into one entry (``count`` > 1);
-# every other entry covers one page. ``ref`` is a blob id (data kinds) or a template page
-# index (DUP of a template page, marked by ``flags & FLAG_REF_TEMPLATE``).
+# Sandbox index entries (pages that are neither ZERO nor TEMPLATE; those live in a 2-bit map):
+# ``ref`` is a blob id, or a template page index for a DUP of a template page, marked by
+# ``flags & FLAG_REF_TEMPLATE``.
 FLAG_REF_TEMPLATE = 1
 
-ENTRY_DTYPE = np.dtype([("page_idx", "<u4"), ("count", "<u4"), ("kind", "u1"),
-                        ("flags", "u1"), ("ref", "<u4")])   # packed: 14 bytes
+ENTRY_DTYPE = np.dtype([("page_idx", "<u4"), ("kind", "u1"), ("flags", "u1"), ("ref", "<u4")])   # 10 bytes
 
 # Decode cost model in microseconds per page, measured on the development machine
 # (EPYC under a hypervisor, tests/perf/test_codec_perf.py). The encoder refuses a

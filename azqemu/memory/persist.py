@@ -10,8 +10,8 @@ temporary name, then rename(2)).
                  body = JSON (ids, domains, templates, sandboxes, arenas) + binary (blob table,
                  similarity indices), the binary parts' lengths given in the JSON
     sbx-*.azqidx "AZQINDEX" | u32 version | u32 name_len | 16 bytes store uuid | u64 n_entries |
-                 u64 n_raw | u64 xxh64(body);  body = name (utf-8) | entries (14 B each) |
-                 RAW page indices (u32 each)
+                 u64 n_raw | u64 map_len | u64 xxh64(body);  body = name (utf-8) | entries (10 B
+                 each) | RAW page indices (u32 each) | 2-bit ZERO/TEMPLATE map
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ STORE_MAGIC = b"AZQSTORE"
 INDEX_MAGIC = b"AZQINDEX"
 FORMAT_VERSION = 1
 _STORE_HEAD = struct.Struct("<8sIIQQQ")
-_INDEX_HEAD = struct.Struct("<8sII16sQQQ")
+_INDEX_HEAD = struct.Struct("<8sII16sQQQQ")
 MAX_JSON_BYTES = 64 << 20
 MAX_NAME_BYTES = 4096
 STORE_FILE = "store.azq"
@@ -96,23 +96,25 @@ def index_file_name(sandbox: str) -> str:
     return f"sbx-{xxhash.xxh64_hexdigest(sandbox.encode())}.azqidx"
 
 
-def write_index(path: Path, store_uuid: bytes, sandbox: str, records: np.ndarray, raw: np.ndarray) -> None:
+def write_index(path: Path, store_uuid: bytes, sandbox: str, records: np.ndarray, raw: np.ndarray,
+                zt_map: bytes | bytearray = b"") -> None:
     name = sandbox.encode()
     rec = np.ascontiguousarray(records, dtype=ENTRY_DTYPE)
     rw = np.ascontiguousarray(raw, dtype="<u4")
     digest = xxhash.xxh64(name)
     digest.update(rec.tobytes())
     digest.update(rw.tobytes())
-    head = _INDEX_HEAD.pack(INDEX_MAGIC, FORMAT_VERSION, len(name), store_uuid, len(rec), len(rw),
+    digest.update(bytes(zt_map))
+    head = _INDEX_HEAD.pack(INDEX_MAGIC, FORMAT_VERSION, len(name), store_uuid, len(rec), len(rw), len(zt_map),
                             digest.intdigest())
-    _atomic_write(path, [head, name, rec.tobytes(), rw.tobytes()])
+    _atomic_write(path, [head, name, rec.tobytes(), rw.tobytes(), bytes(zt_map)])
 
 
-def read_index(path: Path, store_uuid: bytes) -> tuple[str, np.ndarray, np.ndarray]:
+def read_index(path: Path, store_uuid: bytes) -> tuple[str, np.ndarray, np.ndarray, bytes]:
     data = _read_all(path)
     if len(data) < _INDEX_HEAD.size or data[:8] != INDEX_MAGIC:
         raise StoreForeign(str(path), "no sandbox-index magic")
-    _, version, name_len, uuid, n_entries, n_raw, digest = _INDEX_HEAD.unpack_from(data)
+    _, version, name_len, uuid, n_entries, n_raw, map_len, digest = _INDEX_HEAD.unpack_from(data)
     if version != FORMAT_VERSION:
         raise StoreForeign(str(path), f"index version {version}, this azqemu reads {FORMAT_VERSION}")
     if uuid != store_uuid:
@@ -120,7 +122,7 @@ def read_index(path: Path, store_uuid: bytes) -> tuple[str, np.ndarray, np.ndarr
     size = len(data) - _INDEX_HEAD.size
     # Bound every count by the file's real size before computing offsets with it.
     if (name_len > MAX_NAME_BYTES or n_entries > size // ENTRY_DTYPE.itemsize or n_raw > size // 4
-            or name_len + n_entries * ENTRY_DTYPE.itemsize + n_raw * 4 != size):
+            or map_len > size or name_len + n_entries * ENTRY_DTYPE.itemsize + n_raw * 4 + map_len != size):
         raise StoreCorrupt(str(path), "section sizes do not match the file")
     body = memoryview(data)[_INDEX_HEAD.size:]
     if xxhash.xxh64_intdigest(body) != digest:
@@ -133,4 +135,5 @@ def read_index(path: Path, store_uuid: bytes) -> tuple[str, np.ndarray, np.ndarr
     rec = np.frombuffer(body, dtype=ENTRY_DTYPE, count=n_entries, offset=off).copy()
     off += n_entries * ENTRY_DTYPE.itemsize
     raw = np.frombuffer(body, dtype="<u4", count=n_raw, offset=off).copy()
-    return name, rec, raw
+    off += n_raw * 4
+    return name, rec, raw, bytes(body[off:off + map_len])

@@ -1,10 +1,13 @@
 """The per-sandbox index: page index -> kind and reference, compact and sorted.
 
-One sandbox's stored pages are described by five parallel numpy arrays sorted by page index
-(14 bytes per entry). Runs of consecutive ZERO or TEMPLATE pages coalesce into one entry
-(``count`` > 1), which keeps the index of a clone that is mostly template-identical small;
-every other entry covers one page and names a blob (``ref``) or, for a DUP of a template page
-(``flags & FLAG_REF_TEMPLATE``), the template page index.
+Two parts:
+- a 2-bit map over the sandbox's page indices for the pages that need no data (ZERO,
+  TEMPLATE): 4 pages per byte, so a 512 MiB sandbox pays at most 32 KiB however its zero and
+  template-identical pages are scattered (run-length entries cost 9+ bytes per run and real
+  clones have their template-identical pages in many short runs);
+- sorted entries of 10 bytes for every other stored page, naming a blob (``ref``) or, for a
+  DUP of a template page (``flags & FLAG_REF_TEMPLATE``), the template page index.
+Map values: 0 = look in the entries (or not stored), 1 = ZERO, 2 = TEMPLATE.
 """
 
 from __future__ import annotations
@@ -15,98 +18,156 @@ import numpy as np
 
 from azqemu.memory.kinds import ENTRY_DTYPE, FLAG_REF_TEMPLATE, Kind
 
-_RUN_KINDS = (int(Kind.ZERO), int(Kind.TEMPLATE))
+_MAP_ZERO, _MAP_TEMPLATE = 1, 2
+_KIND_OF_MAP = np.array([255, int(Kind.ZERO), int(Kind.TEMPLATE), 255], dtype=np.uint8)
+_SHIFTS = np.array([0, 2, 4, 6], dtype=np.uint8)
+
+
+def _pack(page_idx: np.ndarray, value: np.ndarray, n_slots: int) -> bytearray:
+    vals = np.zeros((n_slots + 3) // 4 * 4, dtype=np.uint8)
+    vals[page_idx] = value
+    packed = (vals.reshape(-1, 4) << _SHIFTS).sum(axis=1, dtype=np.uint8)
+    return bytearray(packed.tobytes())
 
 
 @dataclass
 class SandboxIndex:
-    start: np.ndarray   # u4 first page index of the entry
-    count: np.ndarray   # u4 pages covered
-    kind: np.ndarray    # u1 Kind
-    flags: np.ndarray   # u1
-    ref: np.ndarray     # u4 blob id or template page index
+    zt: bytearray        # 2-bit map, 4 pages per byte (page p: byte p >> 2, bits 2*(p & 3))
+    page: np.ndarray     # u4 sorted page indices of the data entries
+    kind: np.ndarray     # u1 Kind
+    flags: np.ndarray    # u1
+    ref: np.ndarray      # u4 blob id or template page index
 
     @classmethod
     def empty(cls) -> SandboxIndex:
-        return cls(np.zeros(0, np.uint32), np.zeros(0, np.uint32), np.zeros(0, np.uint8),
-                   np.zeros(0, np.uint8), np.zeros(0, np.uint32))
+        return cls(bytearray(), np.zeros(0, np.uint32), np.zeros(0, np.uint8), np.zeros(0, np.uint8),
+                   np.zeros(0, np.uint32))
 
     @classmethod
     def from_pages(cls, page_idx: np.ndarray, kind: np.ndarray, flags: np.ndarray, ref: np.ndarray) -> SandboxIndex:
-        """Build from one entry per page (any order, unique page indices); coalesces runs."""
-        order = np.argsort(page_idx, kind="stable")
-        p = np.asarray(page_idx, dtype=np.int64)[order]
-        k = np.asarray(kind, dtype=np.uint8)[order]
-        f = np.asarray(flags, dtype=np.uint8)[order]
-        r = np.asarray(ref, dtype=np.uint32)[order]
-        n = len(p)
-        if n == 0:
-            return cls.empty()
-        runnable = np.isin(k, _RUN_KINDS)
-        # A page continues the previous entry when both are the same run kind and adjacent.
-        cont = np.zeros(n, dtype=bool)
-        cont[1:] = runnable[1:] & (k[1:] == k[:-1]) & (p[1:] == p[:-1] + 1)
-        heads = np.flatnonzero(~cont)
-        counts = np.diff(np.append(heads, n))
-        return cls(p[heads].astype(np.uint32), counts.astype(np.uint32), k[heads], f[heads], r[heads])
+        """Build from one row per page (any order, unique page indices)."""
+        p = np.asarray(page_idx, dtype=np.int64)
+        k = np.asarray(kind, dtype=np.uint8)
+        m_zero, m_tpl = k == int(Kind.ZERO), k == int(Kind.TEMPLATE)
+        in_map = m_zero | m_tpl
+        if in_map.any():
+            value = np.where(m_zero[in_map], _MAP_ZERO, _MAP_TEMPLATE).astype(np.uint8)
+            zt = _pack(p[in_map], value, int(p[in_map].max()) + 1)
+        else:
+            zt = bytearray()
+        data = ~in_map
+        order = np.argsort(p[data], kind="stable")
+        return cls(zt, p[data][order].astype(np.uint32), k[data][order],
+                   np.asarray(flags, dtype=np.uint8)[data][order], np.asarray(ref, dtype=np.uint32)[data][order])
+
+    def _map_values(self) -> np.ndarray:
+        if not self.zt:
+            return np.zeros(0, dtype=np.uint8)
+        packed = np.frombuffer(self.zt, dtype=np.uint8)
+        return ((packed[:, None] >> _SHIFTS) & 3).reshape(-1)
 
     def expand(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """One row per page: (page_idx int64, kind, flags, ref)."""
-        c = self.count.astype(np.int64)
-        rep = np.repeat(np.arange(len(c)), c)
-        if len(rep) == 0:
-            return (np.zeros(0, np.int64), np.zeros(0, np.uint8), np.zeros(0, np.uint8), np.zeros(0, np.uint32))
-        first = np.repeat(np.cumsum(c) - c, c)
-        page = self.start.astype(np.int64)[rep] + (np.arange(len(rep)) - first)
-        return page, self.kind[rep], self.flags[rep], self.ref[rep]
+        """One row per stored page, sorted by page index: (page_idx int64, kind, flags, ref)."""
+        vals = self._map_values()
+        mp = np.flatnonzero(vals).astype(np.int64)
+        p = np.concatenate([mp, self.page.astype(np.int64)])
+        k = np.concatenate([_KIND_OF_MAP[vals[mp]], self.kind])
+        f = np.concatenate([np.zeros(len(mp), np.uint8), self.flags])
+        r = np.concatenate([np.zeros(len(mp), np.uint32), self.ref])
+        order = np.argsort(p, kind="stable")
+        return p[order], k[order], f[order], r[order]
 
-    def lookup(self, page_idx: np.ndarray) -> np.ndarray:
-        """Entry number for each page index, -1 where the page is not stored."""
+    def lookup(self, page_idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(found, kind, flags, ref) for each page index."""
         p = np.asarray(page_idx, dtype=np.int64)
-        if len(self.start) == 0:
-            return np.full(len(p), -1, dtype=np.int64)
-        e = np.searchsorted(self.start, p, side="right") - 1
-        ec = np.maximum(e, 0)
-        ok = (e >= 0) & (p < self.start[ec].astype(np.int64) + self.count[ec])
-        return np.where(ok, e, -1)
+        n = len(p)
+        kind = np.zeros(n, dtype=np.uint8)
+        flags = np.zeros(n, dtype=np.uint8)
+        ref = np.zeros(n, dtype=np.uint32)
+        found = np.zeros(n, dtype=bool)
+        if self.zt:
+            packed = np.frombuffer(self.zt, dtype=np.uint8)
+            inside = (p >= 0) & (p < len(packed) * 4)
+            pi = np.where(inside, p, 0)
+            v = np.where(inside, (packed[pi >> 2] >> ((pi & 3) * 2).astype(np.uint8)) & 3, 0)
+            hit = v > 0
+            kind[hit] = _KIND_OF_MAP[v[hit]]
+            found |= hit
+        if len(self.page):
+            rest = np.flatnonzero(~found)
+            pr = p[rest]
+            e = np.searchsorted(self.page, pr)
+            ec = np.minimum(e, len(self.page) - 1)
+            ok = self.page[ec] == pr
+            r_ok, e_ok = rest[ok], ec[ok]
+            kind[r_ok], flags[r_ok], ref[r_ok] = self.kind[e_ok], self.flags[e_ok], self.ref[e_ok]
+            found[r_ok] = True
+        return found, kind, flags, ref
 
-    def lookup_one(self, page_idx: int) -> int:
-        start = self.start
-        if len(start) == 0:
-            return -1
-        e = int(start.searchsorted(page_idx, side="right")) - 1
-        if e >= 0 and page_idx < int(start[e]) + int(self.count[e]):
-            return e
-        return -1
+    def lookup_one(self, page_idx: int) -> tuple[int, int, int] | None:
+        """(kind, flags, ref) of one page, or None: the fault path, so plain Python where it can."""
+        zt = self.zt
+        byte = page_idx >> 2
+        if 0 <= byte < len(zt):
+            v = (zt[byte] >> ((page_idx & 3) << 1)) & 3
+            if v == _MAP_ZERO:
+                return int(Kind.ZERO), 0, 0
+            if v == _MAP_TEMPLATE:
+                return int(Kind.TEMPLATE), 0, 0
+        pages = self.page
+        if len(pages) == 0:
+            return None
+        e = int(pages.searchsorted(page_idx))
+        if e < len(pages) and int(pages[e]) == page_idx:
+            return int(self.kind[e]), int(self.flags[e]), int(self.ref[e])
+        return None
 
     @property
     def n_entries(self) -> int:
-        return len(self.start)
+        return len(self.page)
 
     @property
     def n_pages(self) -> int:
-        return int(self.count.sum(dtype=np.int64))
+        return int(np.count_nonzero(self._map_values())) + len(self.page)
 
     @property
     def nbytes(self) -> int:
-        return self.n_entries * ENTRY_DTYPE.itemsize
+        return len(self.zt) + self.n_entries * ENTRY_DTYPE.itemsize
 
     def blob_refs(self) -> np.ndarray:
-        """Blob ids referenced by entries (one per page entry that holds a blob)."""
-        m = ~np.isin(self.kind, _RUN_KINDS) & ((self.flags & FLAG_REF_TEMPLATE) == 0)
-        return self.ref[m]
+        """Blob ids referenced by entries (one per page that holds a blob reference)."""
+        return self.ref[(self.flags & FLAG_REF_TEMPLATE) == 0]
 
     def to_records(self) -> np.ndarray:
         rec = np.zeros(self.n_entries, dtype=ENTRY_DTYPE)
-        rec["page_idx"], rec["count"], rec["kind"] = self.start, self.count, self.kind
-        rec["flags"], rec["ref"] = self.flags, self.ref
+        rec["page_idx"], rec["kind"], rec["flags"], rec["ref"] = self.page, self.kind, self.flags, self.ref
         return rec
 
     @classmethod
-    def from_records(cls, rec: np.ndarray) -> SandboxIndex:
-        return cls(np.ascontiguousarray(rec["page_idx"]), np.ascontiguousarray(rec["count"]),
-                   np.ascontiguousarray(rec["kind"]), np.ascontiguousarray(rec["flags"]),
-                   np.ascontiguousarray(rec["ref"]))
+    def from_parts(cls, zt: bytes, rec: np.ndarray) -> SandboxIndex:
+        return cls(bytearray(zt), np.ascontiguousarray(rec["page_idx"]), np.ascontiguousarray(rec["kind"]),
+                   np.ascontiguousarray(rec["flags"]), np.ascontiguousarray(rec["ref"]))
 
     def kind_page_counts(self) -> np.ndarray:
-        return np.bincount(self.kind, weights=self.count, minlength=len(Kind)).astype(np.int64)
+        vals = self._map_values()
+        counts = np.bincount(self.kind, minlength=len(Kind)).astype(np.int64)
+        counts[int(Kind.ZERO)] += int(np.count_nonzero(vals == _MAP_ZERO))
+        counts[int(Kind.TEMPLATE)] += int(np.count_nonzero(vals == _MAP_TEMPLATE))
+        return counts
+
+    def check(self) -> str | None:
+        """A description of the first inconsistency, or None (used when loading from disk)."""
+        vals = self._map_values()
+        if (vals == 3).any():
+            return "bad map value"
+        if len(self.page):
+            if (np.diff(self.page.astype(np.int64)) <= 0).any():
+                return "entries not sorted"
+            if not np.isin(self.kind, (int(Kind.DUP), int(Kind.TDELTA), int(Kind.SDELTA), int(Kind.ZSTD))).all():
+                return "bad entry kind"
+            inside = self.page.astype(np.int64) < len(vals)
+            if (vals[self.page[inside].astype(np.int64)] != 0).any():
+                return "a page is both mapped and an entry"
+            if ((self.flags & FLAG_REF_TEMPLATE) != 0)[self.kind != int(Kind.DUP)].any():
+                return "template reference on a non-DUP entry"
+        return None

@@ -378,8 +378,8 @@ class PageStore:
         """Kind of each stored page (RAW for pages the store does not hold)."""
         with self._lock:
             sb = self._sandbox(sandbox)
-            e = sb.index.lookup(page_idx)
-            return np.where(e >= 0, sb.index.kind[np.maximum(e, 0)], int(Kind.RAW)).astype(np.uint8)
+            found, kind, _, _ = sb.index.lookup(page_idx)
+            return np.where(found, kind, int(Kind.RAW)).astype(np.uint8)
 
     # ------------------------------------------------------------------ decode
     def _recipe(self, blob: int, depth: int = 0) -> _Recipe:
@@ -438,24 +438,24 @@ class PageStore:
             if sb is None:
                 raise StoreError(f"no sandbox {sandbox!r} in the page store")
             idx = sb.index
-            e = idx.lookup_one(page_idx)
-            if e < 0:
+            hit = idx.lookup_one(page_idx)
+            if hit is None:
                 raise StoreError(f"page {page_idx} of {sandbox!r} is not in the store")
-            k = int(idx.kind[e])
+            k, flags, ref = hit
             template = self._templates.get(sb.template_id) or self._template(sb.template_id)
             recipe = None
             src: np.ndarray = _ZERO_ARRAY
             expect = ZERO_CHECK
             if k == _KIND_ZERO:
                 pass
-            elif k == _KIND_TEMPLATE or (int(idx.flags[e]) & FLAG_REF_TEMPLATE):
-                tpage = page_idx if k == _KIND_TEMPLATE else int(idx.ref[e])
+            elif k == _KIND_TEMPLATE or (flags & FLAG_REF_TEMPLATE):
+                tpage = page_idx if k == _KIND_TEMPLATE else ref
                 tp = template.page(tpage)
                 if tp is not None:
                     src = tp
                     expect = int(template.check[template.row_of[tpage]])
             else:
-                recipe = self._recipe(int(idx.ref[e]))
+                recipe = self._recipe(ref)
         if k == _KIND_ZERO:
             out[:PAGE_SIZE] = _ZERO_ARRAY
             return
@@ -486,13 +486,11 @@ class PageStore:
         with self._lock:
             sb = self._sandbox(sandbox)
             template = self._templates.get(sb.template_id) or self._template(sb.template_id)
-            e = sb.index.lookup(page_idx)
-            if n and (e < 0).any():
-                missing = int(page_idx[np.flatnonzero(e < 0)[0]])
+            found, kind, flags, ref32 = sb.index.lookup(page_idx)
+            if n and not found.all():
+                missing = int(page_idx[np.flatnonzero(~found)[0]])
                 raise StoreError(f"page {missing} of {sandbox!r} is not in the store")
-            kind = sb.index.kind[e]
-            flags = sb.index.flags[e]
-            ref = sb.index.ref[e].astype(np.int64)
+            ref = ref32.astype(np.int64)
             m_tpl = kind == _KIND_TEMPLATE
             m_dupt = (flags & FLAG_REF_TEMPLATE) != 0
             m_blob = ~m_tpl & ~m_dupt & (kind != _KIND_ZERO)
@@ -625,7 +623,7 @@ class PageStore:
     def free_sandbox(self, sandbox: str) -> None:
         with self._lock:
             sb = self._sandbox(sandbox)
-            self._release_refs(sb.index.kind, sb.index.flags, sb.index.ref)
+            self._release_refs(sb.index.kind, sb.index.flags, sb.index.ref.astype(np.int64))
             del self._sandboxes[sandbox]
             sb.domain.sandboxes.discard(sandbox)
             self._dirty.discard(sandbox)
@@ -687,7 +685,8 @@ class PageStore:
             self._arenas.flush()
             for name in sorted(self._dirty):
                 sb = self._sandboxes[name]
-                write_index(self.root / index_file_name(name), self.uuid, name, sb.index.to_records(), sb.raw)
+                write_index(self.root / index_file_name(name), self.uuid, name, sb.index.to_records(), sb.raw,
+                            sb.index.zt)
             self._dirty.clear()
             table = self._table
             # Purge freed ids from the similarity indices so the saved free list is clean.
@@ -781,11 +780,11 @@ class PageStore:
             self._arenas.current = self._arenas.arenas[current]
         table.free = [int(b) for b in meta.get("free", []) if 0 <= int(b) < n_blobs]
         for s in sandboxes:
-            name, rec, raw = read_index(self.root / str(s["file"]), self.uuid)
+            name, rec, raw, zt = read_index(self.root / str(s["file"]), self.uuid)
             if name != s["name"] or s["domain"] not in table.domains:
                 raise bad(str(self.root / str(s["file"])), "index does not match the store")
             d = table.domains[s["domain"]]
-            sb = _Sandbox(name, d, str(s["template_id"]), SandboxIndex.from_records(rec), raw)
+            sb = _Sandbox(name, d, str(s["template_id"]), SandboxIndex.from_parts(zt, rec), raw)
             self._sandboxes[name] = sb
             d.sandboxes.add(name)
         self._validate(path)
@@ -821,12 +820,9 @@ class PageStore:
         expected = np.zeros(n, dtype=np.int64)
         for sb in self._sandboxes.values():
             idx = sb.index
-            if len(idx.start):
-                if (idx.kind > int(Kind.ZSTD)).any() or (idx.count == 0).any():
-                    raise StoreCorrupt(str(path), f"bad entries in the index of {sb.name!r}")
-                ends = idx.start.astype(np.int64) + idx.count
-                if (ends[:-1] > idx.start[1:]).any():
-                    raise StoreCorrupt(str(path), f"overlapping entries in the index of {sb.name!r}")
+            problem = idx.check()
+            if problem:
+                raise StoreCorrupt(str(path), f"index of {sb.name!r}: {problem}")
             refs = idx.blob_refs().astype(np.int64)
             if len(refs) and (refs >= n).any():
                 raise StoreCorrupt(str(path), f"index of {sb.name!r} names a missing blob")

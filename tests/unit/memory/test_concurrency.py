@@ -40,7 +40,7 @@ def test_decode_while_encoding_and_freeing(store_dir, small_set, small_template)
         t = threading.Thread(target=faults)
         t.start()
         try:
-            for round_ in range(3):
+            for _round in range(3):
                 for k in (1, 2):
                     idx, pages = small_set.sandboxes[k]
                     store.encode(f"s{k}", "d", idx, pages, small_template)

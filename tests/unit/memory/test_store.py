@@ -165,8 +165,9 @@ def test_damaged_payload_fails_checksum(store, small_set, small_template) -> Non
     victim = int(zstd_pages[0])
     # Corrupt the blob's payload in place, keeping the frame decodable if possible: flip a
     # literal byte near the end of the payload.
-    e = store._sandboxes["a"].index.lookup_one(victim)
-    blob = int(store._sandboxes["a"].index.ref[e])
+    hit = store._sandboxes["a"].index.lookup_one(victim)
+    assert hit is not None
+    blob = hit[2]
     row = store._table.rows[blob]
     arena = store._arenas.arenas[int(row["arena"])]
     pos = int(row["offset"]) + int(row["length"]) - 2

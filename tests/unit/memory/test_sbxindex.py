@@ -1,0 +1,70 @@
+"""The per-sandbox index: 2-bit map plus entries, lookups, persistence form."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from azqemu.memory.kinds import FLAG_REF_TEMPLATE, Kind
+from azqemu.memory.sbxindex import SandboxIndex
+
+KINDS = [int(k) for k in (Kind.ZERO, Kind.TEMPLATE, Kind.DUP, Kind.TDELTA, Kind.SDELTA, Kind.ZSTD)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(pages=st.dictionaries(st.integers(0, 5000), st.tuples(st.sampled_from(KINDS), st.integers(0, 1 << 31)),
+                             max_size=200),
+       probe=st.lists(st.integers(-5, 6000), max_size=50))
+def test_index_round_trip(pages, probe) -> None:
+    p = np.array(sorted(pages), dtype=np.int64)
+    k = np.array([pages[i][0] for i in sorted(pages)], dtype=np.uint8)
+    r = np.array([pages[i][1] if pages[i][0] not in KINDS[:2] else 0 for i in sorted(pages)], dtype=np.uint32)
+    f = np.where((k == int(Kind.DUP)) & (r % 2 == 1), FLAG_REF_TEMPLATE, 0).astype(np.uint8)
+    idx = SandboxIndex.from_pages(p[::-1], k[::-1], f[::-1], r[::-1])     # any input order
+    assert idx.check() is None
+    ep, ek, ef, er = idx.expand()
+    np.testing.assert_array_equal(ep, p)
+    np.testing.assert_array_equal(ek, k)
+    np.testing.assert_array_equal(ef, f)
+    np.testing.assert_array_equal(er, r)
+    assert idx.n_pages == len(p)
+    counts = idx.kind_page_counts()
+    for kind in KINDS:
+        assert counts[kind] == int((k == kind).sum())
+    found, lk, lf, lr = idx.lookup(np.array(probe + p.tolist(), dtype=np.int64))
+    for j, q in enumerate(probe + p.tolist()):
+        one = idx.lookup_one(q) if q >= 0 else None
+        if q in pages:
+            assert found[j] and lk[j] == pages[q][0]
+            assert one is not None and one[0] == pages[q][0]
+            if pages[q][0] not in KINDS[:2]:
+                assert lr[j] == pages[q][1] and one[2] == pages[q][1]
+        else:
+            assert not found[j] and one is None
+    again = SandboxIndex.from_parts(bytes(idx.zt), idx.to_records())
+    assert again.check() is None
+    for a, b in zip(again.expand(), idx.expand()):
+        np.testing.assert_array_equal(a, b)
+    assert idx.nbytes == len(idx.zt) + 10 * idx.n_entries
+    np.testing.assert_array_equal(np.sort(idx.blob_refs()), np.sort(r[(k >= int(Kind.DUP)) & (f == 0)]))
+
+
+def test_map_is_compact() -> None:
+    # 100,000 scattered zero/template pages over 400,000 slots cost 100 KB, not 9+ bytes each.
+    rng = np.random.default_rng(0)
+    p = rng.choice(400_000, 100_000, replace=False)
+    k = rng.choice([int(Kind.ZERO), int(Kind.TEMPLATE)], len(p)).astype(np.uint8)
+    idx = SandboxIndex.from_pages(p, k, np.zeros(len(p), np.uint8), np.zeros(len(p), np.uint32))
+    assert idx.nbytes <= 100_000 and idx.n_entries == 0
+
+
+def test_check_finds_damage() -> None:
+    idx = SandboxIndex.from_pages(np.array([1, 2, 3]), np.array([int(Kind.ZERO), int(Kind.ZSTD), int(Kind.DUP)]),
+                                  np.zeros(3, np.uint8), np.array([0, 5, 6], np.uint32))
+    assert idx.check() is None
+    idx.kind[0] = int(Kind.RAW)
+    assert idx.check() == "bad entry kind"
+    idx.kind[0] = int(Kind.ZSTD)
+    idx.zt[0] |= 3 << 4          # page 2 in the map as well as an entry
+    assert idx.check() is not None
