@@ -46,6 +46,8 @@ DEFAULT_HINT_SOCKET = "/run/azq-agent.sock"
 # host learns of the next tool call from its own guest-exec anyway (hints wake us at once).
 POLL_BUSY_S = 0.2
 POLL_IDLE_S = 1.0
+# After a fork while idle, scan this soon (instead of POLL_IDLE_S) to report busy quickly.
+PROC_WAKE_S = 0.05
 # Consecutive quiet scans before "idle" is reported: 3 x 200 ms. One scan is too noisy (a
 # shell between two commands of a script sleeps for a few ms), more delays compression.
 IDLE_SCANS = 3
@@ -200,6 +202,8 @@ class Detector:
         self.marked: dict[int, float] = {}                             # pid -> hint time
         self.prev_ticks: dict[tuple[int, int], int] = {}
         self.scanned = False
+        self.ga_pids: set[int] = set()
+        self.forked: dict[int, float] = {}     # pid -> fork time, children of qemu-ga before exec
         self.idle = False                                               # last reported state
         self.reported = False                                           # reported anything yet
         self.quiet_scans = 0
@@ -217,17 +221,60 @@ class Detector:
         established = established_tcp_inodes(proc_root)
         return all(socket_inodes(a.pid, proc_root) & established for a in agents)
 
+    # -- process events (proc connector): exact tool boundaries, however short the tool --
+    def on_fork(self, parent_tgid: int, child_pid: int, child_tgid: int, t: float) -> None:
+        if child_pid == child_tgid and parent_tgid in self.ga_pids:
+            self.forked[child_pid] = t
+
+    def on_exec(self, pid: int, t: float, proc_root: str = "/proc") -> list[dict]:
+        """A guest-exec child (or a hint-marked pid) exec'd: the tool starts, named by its
+        new comm. Its start is the fork's time for guest-exec children."""
+        if pid in self.forked:
+            start_t, source = self.forked.pop(pid), "guest-exec"
+        elif pid in self.marked:
+            start_t, source = t, "hint"
+        else:
+            return []
+        if any(k[0] == pid for k in self.tools):
+            return []
+        try:
+            with open(f"{proc_root}/{pid}/stat", "rb") as f:
+                p = parse_stat(f.read(1024).decode("utf-8", "replace"))
+        except OSError:
+            p = None   # gone already: its exit event follows and ends the tool
+        key = p.key if p is not None else (pid, 0)
+        comm = p.comm if p is not None else "?"
+        self.tools[key] = (comm, start_t, source)
+        return [{"event": "tool-start", "phase": "tool", "pid": pid, "comm": comm[:MAX_COMM_CHARS],
+                 "source": source}]
+
+    def on_exit(self, pid: int, tgid: int, t: float) -> list[dict]:
+        if pid != tgid:
+            return []                       # a thread, not a process
+        self.forked.pop(pid, None)          # forked by qemu-ga but never exec'd
+        events = []
+        for key in [k for k in self.tools if k[0] == pid]:
+            comm, start_t, source = self.tools.pop(key)
+            self.marked.pop(pid, None)
+            events.append({"event": "tool-end", "phase": "tool" if self.tools else "wait",
+                           "pid": pid, "comm": comm[:MAX_COMM_CHARS], "source": source,
+                           "duration_s": round(max(0.0, t - start_t), 3)})
+        return events
+
     def step(self, procs: dict[int, Proc], t: float, proc_root: str = "/proc",
              boot_now: float | None = None) -> list[dict]:
         """Compare one scan with the previous; return the events to send (without v/seq/t)."""
         events: list[dict] = []
         ga_pids = {p.pid for p in procs.values() if p.comm in self.qemu_ga_comms}
+        self.ga_pids = ga_pids
 
         # Tools: children of qemu-ga and hint-marked pids (whatever the scope).
         alive: dict[tuple[int, int], tuple[Proc, str]] = {}
         for p in procs.values():
             source = "guest-exec" if p.ppid in ga_pids else ("hint" if p.pid in self.marked else None)
             if source is not None and p.state not in ("Z", "X"):   # a zombie has ended
+                if p.pid in self.forked and p.key not in self.tools:
+                    continue    # forked, exec event not handled yet: on_exec names it
                 alive[p.key] = (p, source)
         # Ends first, so a reused pid reads as tool-end then tool-start.
         for key in [k for k in self.tools if k not in alive]:
@@ -261,20 +308,28 @@ class Detector:
         for p in procs.values():
             if p.is_kernel or p.pid == self.self_pid:
                 continue
-            if p.pid in ga_pids:
-                # qemu-ga itself does not count, the CPU of the children it reaped does.
-                cur = p.child_ticks
-            elif p.comm in self.agent_comms:
+            if p.comm in self.agent_comms:
                 agents.append(p)
                 continue
+            if p.pid in ga_pids:
+                # qemu-ga's own CPU does not count; what its reaped children used does.
+                cur = p.child_ticks
             else:
-                cur = p.ticks
+                # Own CPU plus reaped children's: a child that lived and died between two
+                # scans is only visible in its parent's cutime/cstime.
+                cur = p.ticks + p.child_ticks
                 if p.state in ("R", "D"):
                     runnable += 1
             new_ticks[p.key] = cur
             prev = self.prev_ticks.get(p.key)
             # A process first seen now started since the last scan: all its CPU time is new.
             ticks += cur - prev if prev is not None else cur
+        # A process seen last scan and gone now: its parent's cutime just grew by its total,
+        # which was already counted while it lived; take back what we counted.
+        for key, prev in self.prev_ticks.items():
+            if key not in new_ticks and key[0] not in procs:
+                ticks -= prev
+        ticks = max(0, ticks)
         first_scan, self.scanned = not self.scanned, True
         self.prev_ticks = new_ticks
         busy = runnable > 0 or (not first_scan and ticks >= self.busy_ticks)
@@ -419,14 +474,80 @@ class HintSocket:
             pass
 
 
+class ProcEvents:
+    """Fork/exec/exit notifications from the kernel's process events connector.
+
+    ABI: include/uapi/linux/connector.h and cn_proc.h. A NETLINK_CONNECTOR socket bound to
+    the CN_IDX_PROC group receives, after a PROC_CN_MCAST_LISTEN request, one message per
+    event: struct nlmsghdr (16 bytes), struct cn_msg (20 bytes), then struct proc_event
+    {u32 what; u32 cpu; u64 timestamp_ns (CLOCK_MONOTONIC); union event_data}. Needs
+    CAP_NET_ADMIN (the reporter runs as root) and CONFIG_PROC_EVENTS (Debian's kernels have
+    it); without them the reporter falls back to scanning alone.
+    """
+
+    NETLINK_CONNECTOR = 11
+    CN_IDX_PROC = CN_VAL_PROC = 1
+    PROC_CN_MCAST_LISTEN = 1
+    NLMSG_DONE = 3
+    FORK, EXEC, EXIT = 0x00000001, 0x00000002, 0x80000000
+    NLMSGHDR = struct.Struct("=IHHII")
+    CN_MSG = struct.Struct("=IIIIHH")
+    EVENT_HEAD = struct.Struct("=IIQ")        # what, cpu, timestamp_ns
+    PAYLOAD_AT = NLMSGHDR.size + CN_MSG.size  # 36
+    MAX_PER_WAKEUP = 512                      # bounded work per wake-up; the scan catches up
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK
+                                  | socket.SOCK_CLOEXEC, self.NETLINK_CONNECTOR)
+        try:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+            self.sock.bind((0, self.CN_IDX_PROC))
+            op = struct.pack("=I", self.PROC_CN_MCAST_LISTEN)
+            cn = self.CN_MSG.pack(self.CN_IDX_PROC, self.CN_VAL_PROC, 0, 0, len(op), 0)
+            hdr = self.NLMSGHDR.pack(self.NLMSGHDR.size + len(cn) + len(op), self.NLMSG_DONE, 0, 0,
+                                     self.sock.getsockname()[0])
+            self.sock.sendto(hdr + cn + op, (0, 0))
+        except OSError:
+            self.sock.close()
+            raise
+        self.overrun = False
+
+    def read(self) -> list[tuple[int, float, tuple[int, ...]]]:
+        """(what, monotonic seconds, event fields) for each waiting event."""
+        out = []
+        for _ in range(self.MAX_PER_WAKEUP):
+            try:
+                data = self.sock.recv(4096)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as err:
+                if err.errno == errno.ENOBUFS:     # the kernel dropped events: rescan
+                    self.overrun = True
+                    continue
+                raise
+            if len(data) < self.PAYLOAD_AT + self.EVENT_HEAD.size:
+                continue
+            what, _cpu, ts_ns = self.EVENT_HEAD.unpack_from(data, self.PAYLOAD_AT)
+            body = data[self.PAYLOAD_AT + self.EVENT_HEAD.size:]
+            n = {self.FORK: 4, self.EXEC: 2, self.EXIT: 6}.get(what)
+            if n is None or len(body) < 4 * n:
+                continue
+            out.append((what, ts_ns / 1e9, struct.unpack_from(f"={n}i", body)))
+        return out
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 # ---------------------------------------------------------------------------------------
 # Main loop
 # ---------------------------------------------------------------------------------------
 
 class Agent:
     def __init__(self, port: Port, hints: HintSocket | None, detector: Detector,
-                 proc_root: str = "/proc") -> None:
+                 proc_root: str = "/proc", proc_events: ProcEvents | None = None) -> None:
         self.port, self.hints, self.detector, self.proc_root = port, hints, detector, proc_root
+        self.proc_events = proc_events
         self.seq = 0
         self.stop = False
 
@@ -449,11 +570,35 @@ class Agent:
         if isinstance(cmd, dict) and cmd.get("cmd") == "state":
             self.emit(self.detector.state())
 
+    def handle_proc_events(self, next_scan: float) -> float:
+        assert self.proc_events is not None
+        d = self.detector
+        activity = False
+        for what, t, f in self.proc_events.read():
+            if what == ProcEvents.FORK:
+                d.on_fork(parent_tgid=f[1], child_pid=f[2], child_tgid=f[3], t=t)
+                activity = activity or f[1] != os.getpid()
+            elif what == ProcEvents.EXEC:
+                for msg in d.on_exec(f[0], t, self.proc_root):
+                    self.emit(msg)
+            elif what == ProcEvents.EXIT:
+                for msg in d.on_exit(f[0], f[1], t):
+                    self.emit(msg)
+        if self.proc_events.overrun:
+            self.proc_events.overrun = False
+            return time.monotonic()
+        if activity and d.idle:
+            # Something forked while we report idle: look within PROC_WAKE_S, not POLL_IDLE_S.
+            return min(next_scan, time.monotonic() + PROC_WAKE_S)
+        return next_scan
+
     def run(self) -> None:
         self.emit({"event": "hello", "phase": "tool", "agent": AGENT_NAME, "pid": os.getpid()})
         poller = select.poll()
         if self.hints is not None:
             poller.register(self.hints.sock.fileno(), select.POLLIN)
+        if self.proc_events is not None:
+            poller.register(self.proc_events.sock.fileno(), select.POLLIN)
         port_polled = False
         next_scan = time.monotonic()
         while not self.stop:
@@ -481,6 +626,8 @@ class Agent:
                         if run and pid is not None:
                             self.detector.mark(pid, time.monotonic())
                             next_scan = time.monotonic()   # report the tool-start now
+                elif self.proc_events is not None and fd == self.proc_events.sock.fileno():
+                    next_scan = self.handle_proc_events(next_scan)
                 elif fd == self.port.fd:
                     if ev & select.POLLIN:
                         for line in self.port.read_commands():
@@ -509,6 +656,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scope-pid", type=int, default=None,
                     help="consider only this process and its descendants (tests, containers)")
     ap.add_argument("--qemu-ga-comm", action="append", default=[], help=argparse.SUPPRESS)
+    ap.add_argument("--no-proc-events", action="store_true",
+                    help="do not use the kernel's process events connector (scan /proc only)")
     args = ap.parse_args(argv)
 
     try:
@@ -525,7 +674,14 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
     detector = Detector(os.getpid(), tuple(args.agent_comm), args.scope_pid,
                         tuple(args.qemu_ga_comm) or QEMU_GA_COMMS)
-    agent = Agent(port, hints, detector, args.proc)
+    proc_events = None
+    if not args.no_proc_events:
+        try:
+            proc_events = ProcEvents()
+        except OSError as err:
+            print(f"azq-guest-agent: no process events ({err.strerror or err}); scanning only",
+                  file=sys.stderr)
+    agent = Agent(port, hints, detector, args.proc, proc_events)
 
     def on_signal(_signum: int, _frame: object) -> None:
         agent.stop = True
@@ -536,6 +692,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if hints is not None:
             hints.close()
+        if proc_events is not None:
+            proc_events.close()
     return 0
 
 

@@ -32,6 +32,14 @@ Choices (what a careful operator does, and why):
   anything MADV_MERGEABLE is fair game), which is not the host we found. When KSM was already
   running, its settings are restored and nothing is unmerged.
 
+What MADV_PAGEOUT does and does not take (measured here, Linux 6.18): it reclaims only pages
+mapped once, so KSM-merged pages (mapped by several clones) stay resident, shared, which is
+what the policy wants; a copy-on-write clone's private copies go to zram; template pages a
+clone maps but never wrote stay in the template file's page cache unless this clone is their
+only mapper (then the shmem page itself goes to swap and the next clone to touch it swaps it
+in). 32 MiB of private pages went out in 45 ms, and lzo-rle stored half-zero pages at 1.87x
+including zram's allocator overhead.
+
 A record of the previous values is written before anything changes (``RECORD_NAME`` in the
 run directory), so ``LinuxConfig.recover()`` can restore a host after a crash of the process
 that set it up. Only one LinuxConfig can be active on a host (a lock file).

@@ -371,28 +371,35 @@ class PtyReader:
                 self.lines += complete
 
 
-@pytest.fixture
-def running_agent(tmp_path: Path):
+@pytest.fixture(params=["proc-events", "scan-only"])
+def running_agent(request, tmp_path: Path):
     master, slave = os.openpty()
     tty.setraw(slave)
     port = os.ttyname(slave)
     fake_ga = subprocess.Popen([sys.executable, "-c", FAKE_QEMU_GA], stdin=subprocess.PIPE, text=True)
     sock = tmp_path / "agent.sock"
+    mode = request.param
+    if mode == "proc-events" and os.geteuid() != 0:
+        pytest.skip("the process events connector needs CAP_NET_ADMIN")
+    extra = ["--no-proc-events"] if mode == "scan-only" else []
     agent = subprocess.Popen([sys.executable, str(AGENT_DIR / "azq_guest_agent.py"), "--port", port,
-                              "--hint-socket", str(sock), "--scope-pid", str(fake_ga.pid)])
+                              "--hint-socket", str(sock), "--scope-pid", str(fake_ga.pid), *extra],
+                             stderr=subprocess.PIPE, text=True)
     try:
-        yield PtyReader(master), master, fake_ga, sock
+        yield PtyReader(master), master, fake_ga, sock, mode
     finally:
         agent.terminate()
         fake_ga.kill()
         agent.wait(10)
+        assert agent.stderr is not None
+        assert agent.stderr.read() == ""        # no fallback warning, no traceback
         fake_ga.wait(10)
         os.close(master)
         os.close(slave)
 
 
 def test_reporter_end_to_end(running_agent) -> None:
-    reader, master, fake_ga, sock = running_agent
+    reader, master, fake_ga, sock, mode = running_agent
     ch = AgentChannel("sb-e2e", rate_per_s=1000, burst=1000)
     seen: list[dict] = []
 
@@ -406,15 +413,24 @@ def test_reporter_end_to_end(running_agent) -> None:
     until(lambda m: m["event"] == "idle")
     # A guest-exec'd tool: a child of "qemu-ga" that computes for ~1 s.
     fake_ga.stdin.write(f"{sys.executable} -c 'import time; t = time.time(); "
-                       "any(iter(lambda: time.time() - t > 1, True))'\n")
+                       "any(iter(lambda: time.time() - t > 2, True))'\n")
     fake_ga.stdin.flush()
     got = until(lambda m: m["event"] == "tool-end")
     events = [m["event"] for m in got]
     assert "tool-start" in events and "busy" in events
     start = next(m for m in got if m["event"] == "tool-start")
     assert start["source"] == "guest-exec" and start["phase"] == "tool"
-    assert 0.5 <= got[-1]["duration_s"] <= 5
+    assert 1.5 <= got[-1]["duration_s"] <= 6
     until(lambda m: m["event"] == "idle")
+    if mode == "proc-events":
+        # A tool far shorter than a scan interval still gets its start and end, named by the
+        # command it exec'd, with its real duration.
+        fake_ga.stdin.write("true\n")
+        fake_ga.stdin.flush()
+        got = until(lambda m: m["event"] == "tool-end" and m["comm"] == "true")
+        start = next(m for m in got if m["event"] == "tool-start")
+        assert start["comm"] == "true" and start["source"] == "guest-exec"
+        assert got[-1]["duration_s"] < 0.5
     # Explicit hints through the azq-phase script, forwarded with the sender's pid.
     env = dict(os.environ, AZQ_AGENT_SOCKET=str(sock))
     hinter = subprocess.run([str(AGENT_DIR / "azq-phase"), "wait"], env=env)
@@ -474,3 +490,60 @@ def test_detector_zombie_tool_has_ended() -> None:
     d.step(procs(P(10, "qemu-ga"), P(20, "sh", ppid=10)), 0.0)
     ev = d.step(procs(P(10, "qemu-ga"), P(20, "sh", "Z", ppid=10)), 0.2)
     assert ev[0]["event"] == "tool-end"
+
+
+def test_detector_process_events() -> None:
+    d = ga.Detector(self_pid=50)
+    d.step(procs(P(10, "qemu-ga")), 0.0)
+    d.on_fork(parent_tgid=10, child_pid=20, child_tgid=20, t=1.0)
+    d.on_fork(parent_tgid=10, child_pid=21, child_tgid=10, t=1.0)       # a thread of qemu-ga
+    d.on_fork(parent_tgid=99, child_pid=22, child_tgid=22, t=1.0)       # not qemu-ga's
+    assert d.forked == {20: 1.0}
+    # A scan between fork and exec does not name the tool "qemu-ga".
+    assert [e["event"] for e in d.step(procs(P(10, "qemu-ga"), P(20, "qemu-ga", ppid=10)), 1.01)
+            if e["event"].startswith("tool")] == []
+    ev = d.on_exec(20, 1.02, proc_root="/nonexistent")                 # gone before we looked
+    assert ev == [{"event": "tool-start", "phase": "tool", "pid": 20, "comm": "?", "source": "guest-exec"}]
+    assert d.on_exec(22, 1.02) == []
+    ev = d.on_exit(20, 20, 1.5)
+    assert ev[0]["event"] == "tool-end" and ev[0]["duration_s"] == 0.5 and ev[0]["phase"] == "wait"
+    assert d.on_exit(20, 20, 1.6) == [] and d.tools == {}
+    # A hint-marked pid is a tool from its exec on.
+    d.mark(30, 2.0)
+    assert d.on_exec(30, 2.1, proc_root="/nonexistent")[0]["source"] == "hint"
+    assert d.on_exit(30, 30, 2.4)[0]["duration_s"] == 0.3
+
+
+def test_detector_reaped_cpu_is_not_counted_twice() -> None:
+    d = ga.Detector(self_pid=50, idle_scans=1)
+    sh = P(30, "sh", "S", ticks=1)
+    assert [e["event"] for e in d.step(procs(sh, P(31, "python3", "S", ppid=30, ticks=40)), 0.0)] == ["idle"]
+    # The child dies and the shell reaps it: cutime grows by the 40 ticks already counted.
+    assert d.step(procs(P(30, "sh", "S", ticks=1, child_ticks=40)), 0.2) == []
+    # A child that lived and died unseen between two scans does make the guest busy.
+    ev = d.step(procs(P(30, "sh", "S", ticks=1, child_ticks=70)), 0.4)
+    assert [e["event"] for e in ev] == ["busy"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the process events connector needs CAP_NET_ADMIN")
+def test_proc_events_connector() -> None:
+    pe = ga.ProcEvents()
+    try:
+        t0 = time.monotonic()
+        child = subprocess.Popen(["/bin/true"])
+        child.wait()
+        seen = {}
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and len(seen) < 3:
+            select.select([pe.sock], [], [], 0.5)
+            for what, t, f in pe.read():
+                pid = f[2] if what == pe.FORK else f[0]
+                if pid == child.pid:
+                    seen.setdefault(what, (t, f))
+        assert set(seen) == {pe.FORK, pe.EXEC, pe.EXIT}
+        fork_t, fork = seen[pe.FORK]
+        assert fork[1] == os.getpid() and fork[3] == child.pid          # parent tgid, child tgid
+        assert t0 - 0.5 < fork_t <= seen[pe.EXIT][0] < time.monotonic()  # CLOCK_MONOTONIC
+        assert seen[pe.EXIT][1][1] == child.pid
+    finally:
+        pe.close()
