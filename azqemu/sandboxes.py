@@ -119,6 +119,8 @@ def clone_one(host: Host, tmpl: TemplateMeta, name: str, *, sharing_domain: str,
         raise SandboxExists(name)
     t0 = time.monotonic()
     ident = new_identity(name)
+    if env and "AZQ_UFFD_SOCKET" in env:
+        env = {**env, "AZQ_UFFD_SOCKET": str(ident.uffd_socket)}
     trepo = TemplateRepo()
     dom: Domain | None = None
     try:

@@ -21,14 +21,18 @@ from dataclasses import asdict
 from typing import Any
 
 from azqemu import config as config_mod
+from azqemu import doctor
 from azqemu.agent import GuestAgent
 from azqemu.errors import (
     AgentTimeout,
+    AzqemuError,
     ConfigError,
     DomainNotFound,
     DomainStateError,
     SandboxNotFound,
 )
+from azqemu.memory.store import PageStore
+from azqemu.memory.template import TemplateImage
 from azqemu.sandboxes import (
     DEFAULT_SHARING_DOMAIN,
     SandboxRecord,
@@ -37,10 +41,11 @@ from azqemu.sandboxes import (
     destroy,
     eager_fill,
 )
-from azqemu.templates import TemplateRepo, create_template, validate_name, warmup_from_cli
+from azqemu.sandboxmem import SandboxMemory
+from azqemu.templates import TemplateMeta, TemplateRepo, create_template, validate_name, warmup_from_cli
 from azqemu.virt import ramfile
 from azqemu.virt.host import Domain, Host
-from azqemu.virt.identity import remove_vm_dir
+from azqemu.virt.identity import Identity, remove_vm_dir
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +66,13 @@ class Manager:
         self._locks_guard = threading.Lock()
         self._template_lock = threading.Lock()
         self.started_at = time.time()
+        self._store: PageStore | None = None
+        self._store_lock = threading.Lock()
+        self._template_images: dict[str, TemplateImage] = {}
+        self.mem: dict[str, SandboxMemory] = {}
+        mode, why = doctor.restore_mode()
+        self.lazy_available = mode == "lazy"
+        log.info("restore mode: %s (%s)", mode, why)
         self.reconcile()
 
     # -- bookkeeping ---------------------------------------------------------------------
@@ -91,6 +103,13 @@ class Manager:
                 remove_vm_dir(rec.name)
                 report["dropped"].append(rec.name)
         for name, (dom, meta) in running.items():
+            if meta.get("ram-mode") == "lazy" or self._store_has(name):
+                try:
+                    self._attach_memory(name, meta.get("sharing-domain", DEFAULT_SHARING_DOMAIN),
+                                        self.templates.get(meta.get("template", "")),
+                                        lazy_clone=meta.get("ram-mode") == "lazy")
+                except AzqemuError as exc:
+                    log.error("cannot reattach the memory of %s: %s", name, exc)
             if not self.sandboxes.path(name).exists():
                 self.sandboxes.save(SandboxRecord(
                     name=name, template=meta.get("template", "?"),
@@ -99,6 +118,45 @@ class Manager:
                 report["adopted"].append(name)
         log.info("reconciled with libvirt: %s", report)
         return report
+
+    # -- memory -------------------------------------------------------------------------
+    @property
+    def store(self) -> PageStore:
+        with self._store_lock:
+            if self._store is None:
+                self._store = PageStore(self.cfg.shm_dir / "store")
+            return self._store
+
+    def _store_has(self, name: str) -> bool:
+        root = self.cfg.shm_dir / "store"
+        return root.exists() and name in self.store.sandboxes()
+
+    def template_image(self, tmpl: TemplateMeta) -> TemplateImage:
+        with self._store_lock:
+            img = self._template_images.get(tmpl.name)
+            if img is None:
+                img = TemplateImage(self.templates.ram_path(tmpl.name))
+                self._template_images[tmpl.name] = img
+            return img
+
+    def _attach_memory(self, name: str, sharing_domain: str, tmpl: TemplateMeta, *,
+                       lazy_clone: bool, use_siblings: bool = True) -> SandboxMemory:
+        mem = SandboxMemory(name, sharing_domain, uffd_socket=self.cfg.run_dir / "vm" / name / "uffd.sock",
+                            store=self.store, template=self.template_image(tmpl),
+                            template_ram=self.templates.ram_path(tmpl.name), lazy_clone=lazy_clone,
+                            use_siblings=use_siblings)
+        if lazy_clone or self._store_has(name):
+            mem.attach()
+        self.mem[name] = mem
+        return mem
+
+    def _release_memory(self, name: str) -> None:
+        mem = self.mem.pop(name, None)
+        if mem is not None:
+            mem.detach()
+        if self._store_has(name):
+            self.store.free_sandbox(name)
+            self.store.flush()
 
     def _record(self, name: str) -> SandboxRecord:
         return self.sandboxes.get(name)
@@ -159,14 +217,27 @@ class Manager:
                 i += 1
         for n in names:
             validate_name(n, "sandbox name")
-        mode = ram_mode or "eager"
-        if mode != "eager":
-            raise ConfigError(f"RAM mode {mode!r} is not available (eager)")
+        mode = ram_mode or ("lazy" if self.lazy_available else "eager")
+        if mode not in ("eager", "lazy"):
+            raise ConfigError(f"unknown RAM mode {mode!r} (eager, lazy)")
+        if mode == "lazy" and not self.lazy_available:
+            raise ConfigError(f"lazy clones are not available here: {doctor.restore_mode()[1]}")
+        env = self._preload_env() if self.lazy_available else {}
+
+        def lazy_fill(_dom: Domain, _pid: int, ident: Identity, t: TemplateMeta) -> None:
+            self._attach_memory(ident.name, sharing_domain, t, lazy_clone=True)
 
         def one(n: str) -> SandboxRecord:
             with self.lock(n):
-                return clone_one(self.host, tmpl, n, sharing_domain=sharing_domain, ram_mode=mode,
-                                 fill=eager_fill, repo=self.sandboxes)
+                try:
+                    return clone_one(self.host, tmpl, n, sharing_domain=sharing_domain, ram_mode=mode,
+                                     fill=lazy_fill if mode == "lazy" else eager_fill,
+                                     repo=self.sandboxes, env=env)
+                except BaseException:
+                    mem = self.mem.pop(n, None)
+                    if mem is not None:
+                        mem.detach()
+                    raise
 
         with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_CLONES, len(names))) as pool:
             futures = [pool.submit(one, n) for n in names]
@@ -184,12 +255,23 @@ class Manager:
             raise first_error
         return results
 
+    def _preload_env(self) -> dict[str, str]:
+        """The export library in QEMU (qemu:env); it waits silently until the manager asks."""
+        return {"LD_PRELOAD": str(self.cfg.preload_library),
+                "AZQ_UFFD_SOCKET": "",  # per clone, filled in below
+                "AZQ_UFFD_RAM_MATCH": "memory-backend-memfd"}
+
     def op_exec(self, name: str, argv: list[str], timeout_s: float = EXEC_DEFAULT_TIMEOUT_S,
                 stdin_b64: str | None = None) -> dict[str, Any]:
         if not argv:
             raise ConfigError("no command given (azq exec SANDBOX -- CMD ...)")
         dom = self._domain(name)
         state = dom.state()
+        mem = self.mem.get(name)
+        if state == "paused" and mem is not None and mem.compressed:
+            with self.lock(name):
+                self._resume_locked(name, dom)
+            state = dom.state()
         if state != "running":
             raise DomainStateError(name, state, "running")
         agent = GuestAgent(name, dom.agent_command)
@@ -205,14 +287,56 @@ class Manager:
             if dom.state() != "paused":
                 dom.suspend()
 
-    def op_resume(self, name: str) -> None:
+    def op_resume(self, name: str, prefetch: bool = True) -> dict[str, Any]:
+        """Continue a sandbox; a compressed one gets its hot set back first."""
+        mem = self.mem.get(name)
+        if mem is not None:
+            mem.cancel()  # a compression in progress stops at its next step
         with self.lock(name):
             dom = self._domain(name)
-            if dom.state() == "paused":
-                dom.resume()
+            return self._resume_locked(name, dom, prefetch=bool(prefetch))
+
+    def _resume_locked(self, name: str, dom: Domain, *, prefetch: bool = True) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        out: dict[str, Any] = {"prefetched_pages": 0, "prefetch_s": 0.0}
+        mem = self.mem.get(name)
+        if mem is not None and mem.compressed:
+            st = mem.prefetch(hot=prefetch)
+            out.update(prefetched_pages=st.prefetched_pages, prefetch_s=st.prefetch_s,
+                       prefetch_mib_s=st.prefetch_mib_s)
+        if dom.state() == "paused":
+            dom.resume()
+        out["resume_s"] = time.perf_counter() - t0
+        return out
+
+    def op_compress(self, name: str) -> dict[str, Any]:
+        """Pause the sandbox, encode its resident RAM into the store, punch it; stays paused."""
+        with self.lock(name):
+            rec = self._record(name)
+            dom = self._domain(name)
+            if not self.lazy_available:
+                raise ConfigError(f"cannot compress {name!r}: {doctor.restore_mode()[1]}")
+            if dom.state() == "running":
+                dom.suspend()
+            mem = self.mem.get(name)
+            if mem is None:
+                mem = self._attach_memory(name, rec.sharing_domain, self.templates.get(rec.template),
+                                          lazy_clone=rec.ram_mode == "lazy")
+            st = mem.compress()
+            return {"name": name, "resident_pages": st.resident_pages, "stored_pages": st.stored_pages,
+                    "raw_pages": st.raw_pages, "pages": st.pages_by_kind, "bytes": st.bytes_by_kind,
+                    "hot_pages": st.hot_pages, "scan_s": st.scan_s, "encode_s": st.encode_s,
+                    "punch_s": st.punch_s, "total_s": st.total_s, "cancelled": st.cancelled,
+                    "stored_bytes": mem.stored_bytes(), "resident_bytes": mem.resident_bytes()}
 
     def op_destroy(self, name: str) -> None:
         with self.lock(name):
+            mem = self.mem.get(name)
+            if mem is not None:
+                # Unregister before the domain goes: a QEMU blocked on an unserved fault
+                # makes libvirt's destroy hang for seconds.
+                mem.cancel()
+            self._release_memory(name)
             destroy(self.host, self.sandboxes, name)
 
     def _resident_bytes(self, dom: Domain) -> int | None:
@@ -233,7 +357,9 @@ class Manager:
             d["resident_bytes"] = self._resident_bytes(dom)
         except DomainNotFound:
             d.update(state="gone", qemu_pid=None, resident_bytes=None)
-        d["stored_bytes"] = 0
+        mem = self.mem.get(rec.name)
+        d["stored_bytes"] = mem.stored_bytes() if mem is not None else 0
+        d["compressed"] = bool(mem is not None and mem.compressed)
         return d
 
     def op_list(self) -> list[dict[str, Any]]:
@@ -255,4 +381,10 @@ class Manager:
             raise
 
     def close(self) -> None:
+        """Stop serving faults without unregistering: QEMU keeps its uffd, so a compressed
+        guest waits for the next manager instead of reading zero pages."""
+        for mem in list(self.mem.values()):
+            mem.handler.stop()
+        if self._store is not None:
+            self._store.flush()
         self.host.close()
