@@ -22,6 +22,7 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ HOST_KEYS = ("used_bytes", "shmem_bytes", "swap_used_bytes", "zram_mem_used_byte
              "zram_compr_bytes", "ksm_pages_shared", "ksm_pages_sharing", "ksm_zero_pages")
 PROC_KEYS = ("rss_bytes", "pss_bytes", "pss_anon_bytes", "pss_file_bytes", "pss_shmem_bytes", "swap_bytes",
              "ram_rss_bytes", "ram_anon_bytes", "ram_ksm_bytes", "ram_swap_bytes", "ram_pss_bytes",
-             "owned_linux_bytes", "qemu_own_bytes")
+             "owned_linux_bytes", "qemu_own_bytes", "owned_bytes")
 
 # --- /proc/PID/pagemap (Documentation/admin-guide/mm/pagemap.rst), one u64 per virtual page --
 PM_PFN_MASK = (1 << 55) - 1   # bits 0-54: page frame number (zero unless CAP_SYS_ADMIN)
@@ -256,6 +257,7 @@ def qemu_own_bytes(rollup: dict[str, int], ram_vma: dict[str, int]) -> int:
 class _Tracked:
     pid: int
     ram_range: tuple[int, int] | None
+    owned_fn: Callable[[], float] | None = None
 
 
 def sample_host(zram: dict[str, int] | None = None, ksm: KsmStat | None = None) -> dict[str, float]:
@@ -378,9 +380,14 @@ class HostMemSampler:
         self.series: HostMemSeries | None = None
         self.errors: list[str] = []
 
-    def track(self, label: str, pid: int, ram_range: tuple[int, int] | None = None) -> None:
+    def track(self, label: str, pid: int, ram_range: tuple[int, int] | None = None,
+              owned_fn: Callable[[], float] | None = None) -> None:
+        """Sample process ``pid`` under ``label`` from now on. ``ram_range`` is its guest
+        RAM's hva range (find_guest_ram()); ``owned_fn`` returns the sandbox's owned bytes
+        for policies whose accounting is not the Linux one (azqemu's store, a full copy's RAM
+        file): recorded as ``owned_bytes``, which otherwise is ``owned_linux_bytes``."""
         with self._lock:
-            self._tracked[label] = _Tracked(pid, ram_range)
+            self._tracked[label] = _Tracked(pid, ram_range, owned_fn)
             if label not in self._procs:
                 n = len(self._t)
                 self._procs[label] = {k: [float("nan")] * n for k in PROC_KEYS}
@@ -403,7 +410,9 @@ class HostMemSampler:
         per: dict[str, dict[str, float]] = {}
         for label, tr in tracked.items():
             try:
-                per[label] = sample_process(tr.pid, tr.ram_range, ksm, zram)
+                vals = sample_process(tr.pid, tr.ram_range, ksm, zram)
+                vals["owned_bytes"] = float(tr.owned_fn()) if tr.owned_fn is not None else vals["owned_linux_bytes"]
+                per[label] = vals
             except (psutil.Error, OSError) as err:
                 self.errors.append(f"{label} (pid {tr.pid}): {type(err).__name__}")
         with self._lock:
@@ -411,9 +420,9 @@ class HostMemSampler:
             for k in HOST_KEYS:
                 self._host[k].append(float(host[k]))
             for label, cols in self._procs.items():
-                vals = per.get(label)
+                row = per.get(label)
                 for k in PROC_KEYS:
-                    cols[k].append(float(vals[k]) if vals is not None else float("nan"))
+                    cols[k].append(float(row[k]) if row is not None else float("nan"))
         self._cost_total += time.perf_counter() - t_start
 
     def _run(self) -> None:
@@ -486,3 +495,53 @@ def idle_baseline(duration_s: float = 3.0, interval_s: float = 0.25) -> Baseline
         swap_used_bytes=int(np.median([s["swap_used_bytes"] for s in samples])),
         zram_mem_used_bytes=int(np.median([s["zram_mem_used_bytes"] for s in samples])),
         duration_s=duration_s, spread_bytes=int(used.max() - used.min()))
+
+
+def file_allocated_bytes(path: str | Path) -> int:
+    """Bytes a (sparse) file really holds: st_blocks x 512. Works for a memfd through
+    /proc/PID/fd/N. The owned memory of a full-copy clone (policy none) is its RAM file's."""
+    return os.stat(path).st_blocks * 512
+
+
+def find_ram_fd(pid: int, backing: str) -> Path:
+    """/proc/PID/fd/N of the open file whose target contains ``backing`` (``memfd:pc.ram``,
+    a path under /dev/shm): pass it to file_allocated_bytes()."""
+    fd_dir = Path(f"/proc/{pid}/fd")
+    for fd in fd_dir.iterdir():
+        try:
+            if backing in os.readlink(fd):
+                return fd
+        except OSError:
+            continue
+    raise FileNotFoundError(f"process {pid} has no open file matching {backing!r}")
+
+
+def latency_summary(latencies_s: list[float]) -> dict[str, float]:
+    """{"median", "p95"} of tool-call latencies (the contract's tool_latency_s); NaN if none."""
+    if not latencies_s:
+        return {"median": float("nan"), "p95": float("nan")}
+    a = np.asarray(latencies_s, dtype=float)
+    return {"median": float(np.median(a)), "p95": float(np.percentile(a, 95))}
+
+
+def policy_figures(series: HostMemSeries, labels: list[str] | None = None,
+                   baseline: Baseline | None = None, owned_key: str = "owned_bytes") -> dict[str, Any]:
+    """The memory part of one policy's entry in the density result: owned_bytes_avg/peak
+    (the sandboxes' owned bytes summed at each sample; time-weighted average over the run),
+    host_used_bytes_avg (above the idle baseline), qemu_own_bytes_avg (per sandbox), and the
+    series the report plots. The runner adds tool_latency_s, compress_s_total,
+    restore_s_total."""
+    owned = series.sum_over(owned_key, labels)
+    host = series.host["used_bytes"] - (baseline.used_bytes if baseline is not None else 0)
+    labels = list(series.procs) if labels is None else labels
+    own = [series.avg("qemu_own_bytes", lbl) for lbl in labels]
+    own = [x for x in own if not np.isnan(x)]
+    return {
+        "owned_bytes_avg": int(_twa(series.t_s, owned)) if owned.size else 0,
+        "owned_bytes_peak": int(owned.max()) if owned.size else 0,
+        "host_used_bytes_avg": int(_twa(series.t_s, host)) if host.size else 0,
+        "qemu_own_bytes_avg": int(np.mean(own)) if own else None,
+        "series": {"t_s": [round(x, 3) for x in series.t_s.tolist()],
+                   "owned_bytes": [int(x) for x in owned.tolist()],
+                   "host_used_bytes": [int(x) for x in host.tolist()]},
+    }

@@ -135,3 +135,37 @@ def test_exact_owned_bytes_of_a_private_buffer(touched_buffer) -> None:
     owned = hm.exact_owned_bytes(os.getpid(), start, end, zram={})
     assert owned.private_bytes == 8 * MIB and owned.owned_bytes == 8 * MIB
     assert owned.swap_bytes == 0 and owned.file_bytes == 0
+
+
+def test_owned_fn_and_policy_figures(touched_buffer, tmp_path: Path) -> None:
+    start, end = touched_buffer
+    s = hm.HostMemSampler(interval_s=0.05)
+    s.track("linux", os.getpid(), ram_range=(start, end))
+    s.track("custom", os.getpid(), owned_fn=lambda: 3 * MIB)
+    with s:
+        time.sleep(0.3)
+    series = s.series
+    assert np.all(series.procs["custom"]["owned_bytes"] == 3 * MIB)
+    assert np.array_equal(series.procs["linux"]["owned_bytes"], series.procs["linux"]["owned_linux_bytes"])
+    base = hm.Baseline(used_bytes=1000, shmem_bytes=0, swap_used_bytes=0, zram_mem_used_bytes=0,
+                       duration_s=1, spread_bytes=0)
+    fig = hm.policy_figures(series, ["custom"], baseline=base)
+    assert fig["owned_bytes_avg"] == fig["owned_bytes_peak"] == 3 * MIB
+    assert fig["host_used_bytes_avg"] == pytest.approx(series.avg("used_bytes") - 1000, rel=1e-6)
+    assert len(fig["series"]["t_s"]) == len(fig["series"]["owned_bytes"]) == len(series.t_s)
+    json.dumps(fig)
+    assert hm.latency_summary([1.0, 2.0, 3.0])["median"] == 2.0
+    assert np.isnan(hm.latency_summary([])["p95"])
+
+
+def test_file_allocated_bytes_of_a_memfd() -> None:
+    fd = os.memfd_create("azq-test-ram")
+    try:
+        os.ftruncate(fd, 16 * MIB)
+        os.pwrite(fd, b"x" * MIB, 4 * MIB)
+        path = hm.find_ram_fd(os.getpid(), "memfd:azq-test-ram")
+        assert hm.file_allocated_bytes(path) == MIB          # sparse: only what was written
+        with pytest.raises(FileNotFoundError):
+            hm.find_ram_fd(os.getpid(), "memfd:nope")
+    finally:
+        os.close(fd)
