@@ -94,7 +94,10 @@ class SandboxMemory:
                  template: TemplateImage, template_ram: Path, lazy_clone: bool,
                  use_siblings: bool = True) -> None:
         self.name = name
-        self.sharing_domain = sharing_domain
+        # The store binds a sharing domain to one template (TEMPLATE/TDELTA pages refer to
+        # it); a tenant running clones of two templates gets one store domain per template.
+        # Pages are still never shared across tenants.
+        self.sharing_domain = f"{sharing_domain}@{template.template_id[:16]}"
         self.store = store
         self.template = template
         self.lazy_clone = lazy_clone

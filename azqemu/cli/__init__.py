@@ -29,6 +29,7 @@ COMMANDS: dict[str, str] = {
     "exec": "azqemu.cli.sandbox_cmds:exec_",
     "pause": "azqemu.cli.sandbox_cmds:pause",
     "resume": "azqemu.cli.sandbox_cmds:resume",
+    "compress": "azqemu.cli.sandbox_cmds:compress",
     "destroy": "azqemu.cli.sandbox_cmds:destroy",
     "list": "azqemu.cli.sandbox_cmds:list_",
     "dominfo": "azqemu.cli.sandbox_cmds:dominfo",

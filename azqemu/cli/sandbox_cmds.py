@@ -127,8 +127,33 @@ def _simple(op: str, verb: str) -> click.Command:
 
 
 pause = _simple("pause", "paused")
-resume = _simple("resume", "resumed")
 destroy = _simple("destroy", "destroyed")
+
+
+@click.command()
+@click.argument("name")
+@click.option("--no-prefetch", is_flag=True, help="Do not put the hot set back first.")
+def resume(name: str, no_prefetch: bool) -> None:
+    """Resume sandbox NAME (a compressed one gets its hot pages back first)."""
+    r = Client().call("resume", name=name, prefetch=not no_prefetch)
+    extra = (f": {r['prefetched_pages']} hot pages back in {r['prefetch_s'] * 1000:.1f} ms"
+             if r.get("prefetched_pages") else "")
+    click.echo(f"{name} resumed in {r['resume_s'] * 1000:.1f} ms{extra}")
+
+
+@click.command()
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True)
+def compress(name: str, as_json: bool) -> None:
+    """Pause sandbox NAME and compress its RAM into the page store (it stays paused)."""
+    r = Client().call("compress", name=name)
+    if as_json:
+        click.echo(json.dumps(r, indent=2))
+        return
+    kinds = ", ".join(f"{k} {v}" for k, v in r["pages"].items() if v)
+    click.echo(f"{name}: {r['resident_pages']} resident pages -> {r['stored_pages']} stored "
+               f"({_size(r['stored_bytes'])}), {r['raw_pages']} kept resident; {kinds}; "
+               f"{r['total_s'] * 1000:.0f} ms" + (" (cancelled by a resume)" if r["cancelled"] else ""))
 
 
 @click.command("list")

@@ -1,0 +1,167 @@
+"""Guest memory correctness across compress/resume, with real guests and the real export.
+
+A program in the guest keeps a buffer of known content, keeps changing parts of it and
+verifies all of it in a loop (guest_checker.py); a file in the guest's tmpfs is checked by
+md5. Every cycle compresses the sandbox (its pages leave QEMU) and resumes it (hot pages
+prefetched, the rest served on first touch).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from azqemu import daemonproc
+from azqemu.daemon.client import Client
+from azqemu.doctor import restore_mode
+
+pytestmark = pytest.mark.vm
+CHECKER = (Path(__file__).parent / "guest_checker.py").read_text()
+
+
+@pytest.fixture(autouse=True)
+def _needs_lazy() -> None:
+    mode, why = restore_mode()
+    if mode != "lazy":
+        pytest.skip(f"no userfaultfd export here: {why}")
+
+
+def sh(name: str, cmd: str, timeout_s: float = 120) -> tuple[int, str]:
+    r = Client().call("exec", name=name, argv=["/bin/sh", "-c", cmd], timeout_s=timeout_s)
+    return r["exit_code"], base64.b64decode(r["stdout_b64"]).decode().strip()
+
+
+def start_checker(name: str, size_mib: int, tag: str) -> None:
+    Client().call("exec", name=name, argv=["/bin/sh", "-c", "cat > /tmp/checker.py"],
+                  stdin_b64=base64.b64encode(CHECKER.encode()).decode())
+    code, _ = sh(name, f"nohup python3 /tmp/checker.py {size_mib} /tmp/st-{tag} {name}-{tag} "
+                       f">/dev/null 2>&1 & sleep 0.5; echo started")
+    assert code == 0
+
+
+def checker_rounds(name: str, tag: str) -> int:
+    code, out = sh(name, f"cat /tmp/st-{tag} 2>/dev/null || echo NONE")
+    assert not out.startswith("BAD"), f"{name}: guest saw wrong data: {out}"
+    return int(out.split()[1]) if out.startswith("OK") else 0
+
+
+def wait_rounds(name: str, tag: str, above: int, timeout_s: float = 60) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        n = checker_rounds(name, tag)
+        if n > above:
+            return n
+        time.sleep(0.3)
+    raise AssertionError(f"{name}: checker {tag} made no progress past round {above}")
+
+
+def test_twenty_compress_resume_cycles_keep_guest_memory_exact(template: str) -> None:
+    c = Client()
+    (rec,) = c.call("clone", template=template, count=1, name_prefix="cyc-", ram_mode="lazy")
+    name = rec["name"]
+    try:
+        code, _ = sh(name, "head -c 20000000 /dev/urandom > /tmp/blob; md5sum /tmp/blob > /tmp/blob.md5")
+        assert code == 0
+        start_checker(name, 24, "a")
+        rounds = wait_rounds(name, "a", 0)
+        for cycle in range(20):
+            st = c.call("compress", name=name)
+            assert st["stored_pages"] > 0 and not st["cancelled"]
+            assert c.call("dominfo", name=name)["state"] == "paused"
+            if cycle % 2:
+                c.call("resume", name=name, prefetch=cycle % 4 == 1)
+            # Even cycles: exec resumes the compressed sandbox transparently.
+            code, out = sh(name, "md5sum -c /tmp/blob.md5")
+            assert code == 0, f"cycle {cycle}: {out}"
+            rounds = wait_rounds(name, "a", rounds)
+    finally:
+        c.call("destroy", name=name)
+
+
+def test_lazy_clone_rewrites_template_pages(template: str) -> None:
+    """A lazy clone reads template pages on first touch; its own writes win over them."""
+    c = Client()
+    rows = c.call("clone", template=template, count=2, name_prefix="rw-", ram_mode="lazy")
+    try:
+        for r in rows:
+            n = r["name"]
+            # Rewrite memory the template had filled (page cache of the workspace, python).
+            code, out = sh(n, f"cd /workspace/* && sed -i 's/def /def  /' *.py */*.py 2>/dev/null; "
+                              f"python3 -m unittest -q 2>&1 | tail -1; echo {n} > /tmp/who")
+            assert code == 0
+        for r in rows:
+            c.call("compress", name=r["name"])
+        for r in rows:
+            n = r["name"]
+            assert sh(n, "cat /tmp/who") == (0, n)
+            code, out = sh(n, "cd /workspace/* && python3 -m unittest -q 2>&1 | tail -1")
+            assert out == "OK", out
+    finally:
+        for r in rows:
+            c.call("destroy", name=r["name"])
+
+
+@pytest.fixture(scope="module")
+def template_2vcpu(daemon: object) -> str:
+    Client().call("template_create", name="itest2", mem_mib=384, vcpus=2)
+    return "itest2"
+
+
+def test_two_vcpus_fault_at_once(template_2vcpu: str) -> None:
+    c = Client()
+    (rec,) = c.call("clone", template=template_2vcpu, count=1, name_prefix="smp-", ram_mode="lazy")
+    name = rec["name"]
+    try:
+        assert sh(name, "nproc") == (0, "2")
+        start_checker(name, 16, "x")
+        start_checker(name, 16, "y")
+        rx, ry = wait_rounds(name, "x", 0), wait_rounds(name, "y", 0)
+        for _ in range(5):
+            c.call("compress", name=name)
+            c.call("resume", name=name, prefetch=False)  # every page faults, from both vCPUs
+            rx, ry = wait_rounds(name, "x", rx), wait_rounds(name, "y", ry)
+    finally:
+        c.call("destroy", name=name)
+
+
+def test_manager_killed_while_compressed_guest_waits_then_finishes(template: str, daemon: dict) -> None:
+    c = Client()
+    (rec,) = c.call("clone", template=template, count=1, name_prefix="kill-", ram_mode="lazy")
+    name = rec["name"]
+    try:
+        start_checker(name, 24, "k")
+        rounds = wait_rounds(name, "k", 0)
+        c.call("compress", name=name)
+        c.call("resume", name=name, prefetch=False)
+        os.kill(daemon["proc"].pid, signal.SIGKILL)
+        daemon["proc"].wait()
+        # Nobody serves faults now: the guest must stall, not run on with zero pages.
+        pid = int(Path(f"/run/libvirt/qemu/{name}.pid").read_text())
+        cpu0 = _cpu_ticks(pid)
+        time.sleep(3)
+        cpu1 = _cpu_ticks(pid)
+        assert cpu1 - cpu0 < 100, "the guest kept running with nobody serving its faults"
+        daemon["proc"] = daemonproc.start()
+        after = wait_rounds(name, "k", rounds, timeout_s=120)
+        assert after > rounds
+        assert sh(name, "echo alive") == (0, "alive")
+    finally:
+        c.call("destroy", name=name)
+
+
+def _cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def test_checker_detects_corruption_itself() -> None:
+    """The checker is only worth something if it fails on wrong data: flip a byte."""
+    seed = b"s"
+    block = hashlib.sha256(seed + b"0:0").digest()
+    assert hashlib.md5(block * 2048).digest() != hashlib.md5(bytes([block[0] ^ 1]) + block[1:] + block * 2047).digest()
