@@ -28,6 +28,8 @@ def running() -> bool:
 def start(log_path: str | None = None) -> subprocess.Popen[bytes]:
     """Start ``azq daemon`` and wait until it answers."""
     cfg = config_mod.load()
+    if running():
+        raise DaemonError(f"a daemon already serves {cfg.daemon_socket}")
     log_path = log_path or str(cfg.run_dir / "daemon.log")
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:

@@ -22,6 +22,7 @@ from azqemu import config as config_mod
 from azqemu.errors import (
     AgentError,
     DomainNotFound,
+    ExecError,
     LibvirtUnavailable,
     SandboxExists,
     VirtError,
@@ -56,6 +57,10 @@ def translate_errors(name: str = "") -> Iterator[None]:
             raise SandboxExists(name) from err
         if code == libvirt.VIR_ERR_AGENT_UNRESPONSIVE:
             raise AgentError(f"guest agent of {name!r} is not responding") from err
+        if "unable to execute QEMU agent command" in msg:
+            # The agent answered with an error (e.g. guest-exec of a missing program).
+            detail = msg.split("error was ", 1)[-1].strip("'")
+            raise ExecError(detail) from err
         if code == libvirt.VIR_ERR_AGENT_UNSYNCED:
             raise AgentError(f"guest agent of {name!r} is not connected yet") from err
         raise VirtError(msg, code) from err
@@ -155,9 +160,21 @@ class Host:
         except libvirt.libvirtError:
             return False
 
+    @property
+    def conn(self) -> libvirt.virConnect:
+        """The connection, reopened if libvirtd restarted (running domains survive that)."""
+        with self._lock:
+            if not self.alive():
+                log.warning("libvirt connection lost; reconnecting to %s", self.uri)
+                try:
+                    self._conn = libvirt.open(self.uri)
+                except libvirt.libvirtError as err:
+                    raise LibvirtUnavailable(self.uri, err.get_error_message() or "") from err
+            return self._conn
+
     def get_domain(self, name: str) -> Domain:
         with translate_errors(name):
-            return Domain(self._conn.lookupByName(name))
+            return Domain(self.conn.lookupByName(name))
 
     def has_domain(self, name: str) -> bool:
         try:
@@ -172,12 +189,12 @@ class Host:
         if self.has_domain(name):
             raise SandboxExists(name)
         with translate_errors(name):
-            return Domain(self._conn.createXML(xml, flags))
+            return Domain(self.conn.createXML(xml, flags))
 
     def domains(self) -> list[Domain]:
         """Every active domain that carries azqemu metadata."""
         with translate_errors():
-            doms = self._conn.listAllDomains(libvirt.VIR_CONNECT_LIST_DOMAINS_ACTIVE)
+            doms = self.conn.listAllDomains(libvirt.VIR_CONNECT_LIST_DOMAINS_ACTIVE)
         out = []
         for dom in doms:
             d = Domain(dom)
