@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -265,3 +265,29 @@ class SandboxMemory:
 
     def faults(self) -> int:
         return self.handler.stats().faults
+
+    def memstats(self, *, reset: bool = False) -> dict[str, object]:
+        """Restore figures for ``azq bench restore`` and dashboards.
+
+        ``service_us`` is the handler's per-fault service time (fault message read to
+        UFFDIO_COPY done) over the faults since the last reset (the newest RING_SIZE of
+        them); ``reset`` starts a new window after reading. Fault counters are cumulative:
+        callers take differences."""
+        h = self.handler.stats()
+        t_ns = self.handler.service_times_ns()
+        if reset:
+            self.handler.reset_service_times()
+        service: dict[str, float | int] = {"samples": int(len(t_ns))}
+        if len(t_ns):
+            t_us = t_ns / 1e3
+            service.update(median=float(np.median(t_us)), p90=float(np.percentile(t_us, 90)),
+                           p99=float(np.percentile(t_us, 99)), max=float(t_us.max()),
+                           mean=float(t_us.mean()))
+        counters = asdict(h)
+        for k in ("service_us_median", "service_us_p99", "service_samples"):
+            counters.pop(k)
+        return {"name": self.name, "compressed": self.compressed, "registered": self.registered,
+                "handler": counters, "service_us": service,
+                "hot_pages": int(len(self.handler.hot_pages(self._block_index))),
+                "last_compress": asdict(self.last_compress), "last_resume": asdict(self.last_resume),
+                "compress_s_total": self.compress_s_total, "restore_s_total": self.restore_s_total}

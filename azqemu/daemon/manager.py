@@ -388,3 +388,13 @@ class Manager:
         if self._store is not None:
             self._store.flush()
         self.host.close()
+
+    def op_memstats(self, name: str, reset: bool = False) -> dict[str, Any]:
+        """Restore figures of one sandbox (azq bench restore): fault counters, per-fault
+        service time over the faults since the last ``reset``, the last compress and resume."""
+        self._record(name)
+        mem = self.mem.get(name)
+        if mem is None:
+            raise ConfigError(f"{name!r}: the manager does not serve its memory "
+                              "(an eager clone that was never compressed)")
+        return mem.memstats(reset=bool(reset))
