@@ -23,6 +23,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import xxhash
 
 from azqemu.errors import StoreCorrupt, StoreForeign
@@ -144,37 +145,45 @@ class ArenaSet:
 
     # -- data -------------------------------------------------------------------------------
     def append(self, payloads: list[bytes]) -> list[tuple[int, int]]:
-        """Append payloads; returns (arena id, offset) per payload. Runs of payloads that fit
-        the current arena are written with one copy."""
-        out: list[tuple[int, int]] = []
+        """Append payloads; returns (arena id, offset) per payload."""
+        lengths = np.array([len(p) for p in payloads], dtype=np.int64)
+        ids, offs = self.append_concat(b"".join(payloads), lengths)
+        return list(zip(ids.tolist(), offs.tolist()))
+
+    def append_concat(self, data: bytes, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Append payloads given back to back in ``data``; returns (arena ids, offsets).
+
+        As many payloads as fit in the current arena are written with one pwrite(2), not a
+        store through the mapping: on tmpfs that is ~1.8x faster than page-faulting fresh
+        pages in, and the shared mapping sees the data coherently.
+        """
+        lengths = np.asarray(lengths, dtype=np.int64)
+        n = len(lengths)
+        ids = np.zeros(n, dtype=np.uint16)
+        offs = np.zeros(n, dtype=np.uint32)
+        ends = np.cumsum(lengths)
+        view = memoryview(data)
         i = 0
-        n = len(payloads)
         while i < n:
             a = self.current
-            if a is None or a.used + len(payloads[i]) > a.capacity:
+            if a is None or a.used + int(lengths[i]) > a.capacity:
                 a = self._new_arena()
+            base = int(ends[i - 1]) if i else 0
             room = a.capacity - a.used
-            j, size = i, 0
-            while j < n and size + len(payloads[j]) <= room:
-                size += len(payloads[j])
-                j += 1
-            if j == i:
+            j = int(np.searchsorted(ends, base + room, side="right"))
+            if j <= i:
                 raise ValueError("payload larger than an arena")
+            size = int(ends[j - 1]) - base
             start = a.used
-            # pwrite(2), not a store through the mapping: on tmpfs it is ~1.8x faster than
-            # page-faulting fresh pages in; the shared mapping sees the data coherently.
-            data = b"".join(payloads[i:j])
             done = 0
             while done < size:
-                done += os.pwrite(a.fd, memoryview(data)[done:], start + done)
-            pos = start
-            for k in range(i, j):
-                out.append((a.arena_id, pos))
-                pos += len(payloads[k])
+                done += os.pwrite(a.fd, view[base + done:base + size], start + done)
+            ids[i:j] = a.arena_id
+            offs[i:j] = start + (ends[i:j] - lengths[i:j] - base)
             a.used += size
             a.live += size
             i = j
-        return out
+        return ids, offs
 
     def read(self, arena_id: int, offset: int, length: int) -> bytes:
         a = self.arenas.get(arena_id)

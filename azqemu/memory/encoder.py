@@ -33,7 +33,7 @@ from azqemu.memory.kinds import (
     RefType,
 )
 from azqemu.memory.pagehash import page_hashes_rows
-from azqemu.memory.simindex import SimilarityIndex, sample_fingerprints
+from azqemu.memory.simindex import N_SAMPLES, SimilarityIndex, sample_fingerprints
 from azqemu.memory.template import TemplateImage
 from azqemu.memory.zstdlib import (
     C_PREFIX_T,
@@ -92,15 +92,36 @@ class DomainView(Protocol):
 
 
 @dataclass
-class NewBlob:
-    row: int
-    method: int
-    reftype: int
-    ref: int
+class NewBlobs:
+    """The blobs a plan creates, as parallel arrays, their payloads back to back."""
+
+    prow: np.ndarray       # int64 row of the page in the plan's arrays
+    method: np.ndarray     # u8 Method
+    reftype: np.ndarray   # u8 RefType
+    ref: np.ndarray        # int64 template page index or base blob id
+    key: np.ndarray        # u64
+    check: np.ndarray      # u64
+    length: np.ndarray     # u32 payload bytes
+    fps: np.ndarray        # (n, N_SAMPLES) u64 sample fingerprints
+    has_fp: np.ndarray     # bool: enters the similarity index (may serve as an SDELTA base)
     payload: bytes
-    key: int
-    check: int
-    fps: np.ndarray | None      # sample fingerprints when the blob should serve as a base
+
+    def __len__(self) -> int:
+        return len(self.prow)
+
+    @classmethod
+    def concat(cls, parts: list[NewBlobs]) -> NewBlobs:
+        if not parts:
+            z = np.zeros(0, np.int64)
+            return cls(z, z.astype(np.uint8), z.astype(np.uint8), z, z.astype(np.uint64), z.astype(np.uint64),
+                       z.astype(np.uint32), np.zeros((0, N_SAMPLES), np.uint64), z.astype(bool), b"")
+        if len(parts) == 1:
+            return parts[0]
+        cat = np.concatenate
+        return cls(cat([p.prow for p in parts]), cat([p.method for p in parts]), cat([p.reftype for p in parts]),
+                   cat([p.ref for p in parts]), cat([p.key for p in parts]), cat([p.check for p in parts]),
+                   cat([p.length for p in parts]), cat([p.fps for p in parts]), cat([p.has_fp for p in parts]),
+                   b"".join(p.payload for p in parts))
 
 
 @dataclass
@@ -109,8 +130,19 @@ class Plan:
     kind: np.ndarray                  # uint8 Kind per page
     target: np.ndarray                # uint8 T_* per page
     ref: np.ndarray                   # int64: blob id, new-blob number or template page index
-    blobs: list[NewBlob] = field(default_factory=list)
+    blobs: NewBlobs = field(default_factory=lambda: NewBlobs.concat([]))
     tries: dict[str, int] = field(default_factory=dict)
+    parts: list[NewBlobs] = field(default_factory=list)
+    n_blobs: int = 0
+
+    def add_blobs(self, part: NewBlobs) -> np.ndarray:
+        """Number the blobs of ``part`` (0, 1, ... across the plan) and point their pages at them."""
+        nums = np.arange(self.n_blobs, self.n_blobs + len(part), dtype=np.int64)
+        self.n_blobs += len(part)
+        self.parts.append(part)
+        self.target[part.prow] = T_NEW
+        self.ref[part.prow] = nums
+        return nums
 
 
 @dataclass
@@ -206,16 +238,19 @@ class Encoder:
 
         # -- per-page codecs for the unique pages --------------------------------------------
         uniq = np.flatnonzero(undecided)
-        blob_of_row = self._encode_unique(plan, pages, rest, key, check, uniq, template, domain)
+        self._encode_unique(plan, pages, rest, key, check, uniq, template, domain)
+        plan.blobs = NewBlobs.concat(plan.parts)
+        plan.parts = []
         # Later batch duplicates follow their representative (which may have become RAW).
-        for i in np.flatnonzero(first_of >= 0).tolist():
-            jj = blob_of_row.get(int(first_of[i]))
-            if jj is None:
-                kind[rest[i]] = int(Kind.RAW)
-            else:
-                kind[rest[i]] = int(Kind.DUP)
-                target[rest[i]] = T_NEW
-                ref[rest[i]] = jj
+        dups = np.flatnonzero(first_of >= 0)
+        if len(dups):
+            rep_rows = rest[first_of[dups]]
+            stored = target[rep_rows] == T_NEW
+            kind[rest[dups[~stored]]] = int(Kind.RAW)
+            d = rest[dups[stored]]
+            kind[d] = int(Kind.DUP)
+            target[d] = T_NEW
+            ref[d] = ref[rep_rows[stored]]
         return plan
 
     def _scratch(self, name: str, rows: int) -> np.ndarray:
@@ -226,20 +261,18 @@ class Encoder:
 
     def _encode_unique(self, plan: Plan, pages: np.ndarray, rest: np.ndarray, key: np.ndarray,
                        check: np.ndarray, uniq: np.ndarray, template: TemplateImage,
-                       domain: DomainView | None) -> dict[int, int]:
-        """Encode the unique pages ``pages[rest[uniq]]``; returns {i in rest: new blob number}."""
-        blob_of_row: dict[int, int] = {}
+                       domain: DomainView | None) -> None:
+        """Encode the unique pages ``pages[rest[uniq]]`` into ``plan``."""
         sim_b = domain.sim_index() if (domain is not None and self.opt.use_siblings) else None
         sim_t = template.simindex()
         assert isinstance(sim_t, SimilarityIndex)
         for s in range(0, len(uniq), UNIQUE_CHUNK_PAGES):
             self._encode_chunk(plan, pages, rest, key, check, uniq[s:s + UNIQUE_CHUNK_PAGES], template,
-                               domain, sim_t, sim_b, blob_of_row)
-        return blob_of_row
+                               domain, sim_t, sim_b)
 
     def _encode_chunk(self, plan: Plan, pages: np.ndarray, rest: np.ndarray, key: np.ndarray,
                       check: np.ndarray, uniq: np.ndarray, template: TemplateImage, domain: DomainView | None,
-                      sim_t: SimilarityIndex, sim_b: SimilarityIndex | None, blob_of_row: dict[int, int]) -> None:
+                      sim_t: SimilarityIndex, sim_b: SimilarityIndex | None) -> None:
         opt = self.opt
         z = self.zstd
         budget = opt.decode_budget_us
@@ -299,20 +332,19 @@ class Encoder:
             res = z.encode_batch(m, up, tpages, xpages, sref, spx, flags, TINY_DELTA_BYTES, DELTA_MIN_GAIN_BYTES,
                                  SMALL_ENOUGH_BYTES, opt.raw_threshold_bytes)
             if res is not None:
-                self._take_native(plan, res, uniq, prow_all, pidx, key, check, fps, s_kind, s_ref, blob_of_row)
+                self._take_native(plan, res, uniq, prow_all, pidx, key, check, fps, s_kind, s_ref)
                 return
         self._python_loop(plan, up, tpages, xpages, sref, spx, do_xor_t, try_prefix_t, has_s, do_xor_s,
-                          s_kind, s_ref, s_cost, pidx, uniq, prow_all, key, check, fps, blob_of_row)
+                          s_kind, s_ref, s_cost, pidx, uniq, prow_all, key, check, fps)
 
     def _take_native(self, plan: Plan, res: tuple[np.ndarray, ...], uniq: np.ndarray, prow_all: np.ndarray,
                      pidx: np.ndarray, key: np.ndarray, check: np.ndarray, fps: np.ndarray, s_kind: np.ndarray,
-                     s_ref: np.ndarray, blob_of_row: dict[int, int]) -> None:
+                     s_ref: np.ndarray) -> None:
         out, off, length, choice, tries = res
         for name, v in zip(("zstd", "xor", "prefix", "sdelta"), tries.tolist()):
             plan.tries[name] += int(v)
-        kind = plan.kind
         raw = choice == C_RAW
-        kind[prow_all[raw]] = _K_RAW
+        plan.kind[prow_all[raw]] = _K_RAW
         keep = np.flatnonzero(~raw)
         if len(keep) == 0:
             return
@@ -321,27 +353,22 @@ class Encoder:
         k_of = np.array([_K_ZSTD, _K_TDELTA, _K_TDELTA, _K_SDELTA, _K_SDELTA], dtype=np.uint8)
         m_of = np.array([_M_ZSTD, _M_XOR, _M_PREFIX, _M_XOR, _M_PREFIX], dtype=np.uint8)
         s_rt = np.where(s_kind[keep] == 1, _R_TEMPLATE, _R_BLOB)
-        reftype = np.select([ch == C_ZSTD, ch <= C_PREFIX_T], [_R_NONE, _R_TEMPLATE], s_rt)
-        ref = np.select([ch == C_ZSTD, ch <= C_PREFIX_T], [0, pidx[keep]], s_ref[keep])
+        reftype = np.select([ch == C_ZSTD, ch <= C_PREFIX_T], [_R_NONE, _R_TEMPLATE], s_rt).astype(np.uint8)
+        ref = np.select([ch == C_ZSTD, ch <= C_PREFIX_T], [0, pidx[keep]], s_ref[keep]).astype(np.int64)
         rows = uniq[keep]
+        lens = length[keep].astype(np.uint32)
+        # RAW pages take no room in ``out``: the kept payloads are already back to back.
+        payload = out[:int(lens.sum())].tobytes()
         prows = prow_all[keep]
-        first = len(plan.blobs)
-        buf = out.tobytes()
-        fp_ok = reftype != _R_BLOB
-        for j, (r, o, n, mth, rt, rf, kk, ck, ok) in enumerate(zip(
-                rows.tolist(), off[keep].tolist(), length[keep].tolist(), m_of[ch].tolist(), reftype.tolist(),
-                ref.tolist(), key[rows].tolist(), check[rows].tolist(), fp_ok.tolist())):
-            plan.blobs.append(NewBlob(r, mth, rt, rf, buf[o:o + n], kk, ck, fps[keep[j]] if ok else None))
-            blob_of_row[r] = first + j
-        kind[prows] = k_of[ch]
-        plan.target[prows] = T_NEW
-        plan.ref[prows] = np.arange(first, first + len(keep))
+        plan.kind[prows] = k_of[ch]
+        plan.add_blobs(NewBlobs(prows, m_of[ch], reftype, ref, key[rows], check[rows], lens, fps[keep],
+                                reftype != _R_BLOB, payload))
 
     def _python_loop(self, plan: Plan, up: np.ndarray, tpages: np.ndarray, xpages: np.ndarray, sref: np.ndarray,
                      spx: np.ndarray, do_xor_t: np.ndarray, try_prefix_t: np.ndarray, has_s: np.ndarray,
                      do_xor_s: np.ndarray, s_kind: np.ndarray, s_ref: np.ndarray, s_cost: np.ndarray,
                      pidx: np.ndarray, uniq: np.ndarray, prow_all: np.ndarray, key: np.ndarray, check: np.ndarray,
-                     fps: np.ndarray, blob_of_row: dict[int, int]) -> None:
+                     fps: np.ndarray) -> None:
         """The per-page attempts in Python (the fallback of _pagecodec.c's azq_encode_batch)."""
         opt = self.opt
         z = self.zstd
@@ -353,13 +380,15 @@ class Encoder:
         try_prefix_t_l = try_prefix_t.tolist()
         do_xor_t_l, has_s_l, do_xor_s_l = do_xor_t.tolist(), has_s.tolist(), do_xor_s.tolist()
         s_kind_l, s_ref_l, s_cost_l = s_kind.tolist(), s_ref.tolist(), s_cost.tolist()
-        pidx_l, uniq_l, prow_l = pidx.tolist(), uniq.tolist(), prow_all.tolist()
+        pidx_l, prow_l = pidx.tolist(), prow_all.tolist()
         tries = plan.tries
         kind = plan.kind
         c_x, c_p = DECODE_COST_US[Method.XOR], DECODE_COST_US[Method.PREFIX]
         raw_limit = opt.raw_threshold_bytes
         xor_ok, prefix_ok = c_x <= budget, c_p <= budget
         new_rows: list[int] = []
+        meta: list[tuple[int, int, int]] = []
+        payloads: list[bytes] = []
         for i in range(m):
             off = i * PAGE_SIZE
             # XOR first when it is promising: a tiny XOR delta makes every other attempt moot.
@@ -396,22 +425,20 @@ class Encoder:
                     if len(pay) < limit:
                         best, limit = pay, len(pay)
                         b_kind, b_method, b_reftype, b_ref = _K_SDELTA, _M_PREFIX, rt, s_ref_l[i]
-            row = uniq_l[i]
             prow = prow_l[i]
             if len(best) > raw_limit:
                 kind[prow] = _K_RAW
                 continue
-            j = len(plan.blobs)
-            plan.blobs.append(NewBlob(row, b_method, b_reftype, b_ref, best, 0, 0, None))
-            blob_of_row[row] = j
-            new_rows.append(i)
             kind[prow] = b_kind
-            plan.target[prow] = T_NEW
-            plan.ref[prow] = j
-        # Keys, checksums and fingerprints of the new blobs, filled in vectorised.
-        first = len(plan.blobs) - len(new_rows)
-        for j, i in enumerate(new_rows):
-            nb = plan.blobs[first + j]
-            nb.key, nb.check = int(key[uniq_l[i]]), int(check[uniq_l[i]])
-            if nb.reftype != _R_BLOB:     # SDELTA chains stay one deep
-                nb.fps = fps[i]
+            new_rows.append(i)
+            meta.append((b_method, b_reftype, b_ref))
+            payloads.append(best)
+        if not new_rows:
+            return
+        sel = np.array(new_rows, dtype=np.int64)
+        rows = uniq[sel]
+        mt = np.array(meta, dtype=np.int64).reshape(-1, 3)
+        reftype = mt[:, 1].astype(np.uint8)
+        plan.add_blobs(NewBlobs(prow_all[sel], mt[:, 0].astype(np.uint8), reftype, mt[:, 2], key[rows], check[rows],
+                                np.array([len(p) for p in payloads], dtype=np.uint32), fps[sel],
+                                reftype != _R_BLOB, b"".join(payloads)))

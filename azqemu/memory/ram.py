@@ -288,14 +288,24 @@ def read_resident_pages(fd_or_path: int | str | os.PathLike[str],
     Holes are skipped without being allocated. With a layout, only pages inside its blocks are
     returned. A tail shorter than a page is zero-padded.
     """
+    idx, buf = read_resident_buffer(fd_or_path, layout)
+    return idx, buf
+
+
+def read_resident_buffer(fd_or_path: int | str | os.PathLike[str], layout: RamLayout | None = None,
+                         spare_rows: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Like read_resident_pages, into an array with ``spare_rows`` extra zero rows at the end
+    (the template keeps a zero row there, and this saves it a second copy of every page)."""
     fd, owned = _open(fd_or_path)
     try:
         extents = _page_extents(fd, layout)
         idx = _extent_pages(extents)
-        pages = np.empty((len(idx), PAGE_SIZE), dtype=np.uint8)
+        n = len(idx)
+        pages = np.empty((n + spare_rows, PAGE_SIZE), dtype=np.uint8)
+        pages[n:] = 0
         clipped = _clip_to_file(fd, extents)
         if clipped != extents:
-            pages[-1] = 0
+            pages[n - 1] = 0
         _read_extents_into(fd, clipped, pages)
         return idx, pages
     finally:

@@ -20,7 +20,7 @@ import xxhash
 from azqemu.errors import StoreError
 from azqemu.memory.kinds import PAGE_SHIFT, PAGE_SIZE
 from azqemu.memory.pagehash import ZERO_CHECK, page_hashes
-from azqemu.memory.ram import RamLayout, read_resident_pages
+from azqemu.memory.ram import RamLayout, read_resident_buffer
 
 
 class TemplateImage:
@@ -36,26 +36,26 @@ class TemplateImage:
                 self.size_bytes = os.stat(self.path).st_size
             except OSError as err:
                 raise StoreError(f"cannot open template image {self.path}: {err.strerror}") from err
-            idx, pg = read_resident_pages(self.path, layout)
+            idx, pages_z = read_resident_buffer(self.path, layout, spare_rows=1)
         else:
             if page_idx is None or pages is None:
                 raise ValueError("TemplateImage needs a path or page arrays")
             self.path = None
-            idx, pg = np.asarray(page_idx, dtype=np.int64), np.ascontiguousarray(pages, dtype=np.uint8)
+            idx = np.asarray(page_idx, dtype=np.int64)
             order = np.argsort(idx, kind="stable")
-            idx, pg = idx[order], pg[order]
+            idx = idx[order]
+            pages_z = np.zeros((len(idx) + 1, PAGE_SIZE), dtype=np.uint8)
+            pages_z[:len(idx)] = np.asarray(pages, dtype=np.uint8).reshape(len(idx), PAGE_SIZE)[order]
             self.size_bytes = int(size_bytes if size_bytes is not None
                                   else ((int(idx[-1]) + 1) << PAGE_SHIFT if len(idx) else 0))
         self.n_pages = (self.size_bytes + PAGE_SIZE - 1) >> PAGE_SHIFT
         self.page_idx = idx
         # One trailing zero row: holes gather from it, so a single np.take serves any mix of
         # data pages and holes without temporaries.
-        self.pages_z = np.zeros((len(pg) + 1, PAGE_SIZE), dtype=np.uint8)
-        self.pages_z[:len(pg)] = pg
+        self.pages_z = pages_z
         self.pages_z.flags.writeable = False
-        self.pages = self.pages_z[:len(pg)]
-        self.zero_row = len(pg)
-        del pg
+        self.pages = self.pages_z[:len(idx)]
+        self.zero_row = len(idx)
         pg = self.pages
         self.row_of = np.full(self.n_pages + 1, -1, dtype=np.int32)   # last slot: "outside"
         self.row_of[idx] = np.arange(len(idx), dtype=np.int32)
