@@ -108,23 +108,70 @@ def parse_stat(text: str) -> Proc | None:
         return None
 
 
+def read_stat(path: str) -> Proc | None:
+    # os.open/os.read: the buffered open() adds fstat, ioctl(TCGETS) and lseek per file,
+    # which under TCG is most of a scan's cost.
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None   # exited between listdir and open
+    try:
+        data = os.read(fd, 1024)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return parse_stat(data.decode("utf-8", "replace"))
+
+
+def _read_comm(pid: int, proc_root: str = "/proc") -> str | None:
+    try:
+        with open(f"{proc_root}/{pid}/comm", "rb") as f:
+            return f.read(64).decode("utf-8", "replace").strip() or None
+    except OSError:
+        return None
+
+
+class Scanner:
+    """Scans /proc/*/stat, skipping pids known to be kernel threads (a minbase guest has ~45
+    of them beside ~10 processes; a kernel thread never turns into a user process, and a pid
+    is only reused after it wrapped around pid_max, when we would miss one scan of it)."""
+
+    def __init__(self, proc_root: str = "/proc") -> None:
+        self.proc_root = proc_root
+        self.kthreads: set[int] = set()
+
+    def scan(self) -> dict[int, Proc]:
+        procs: dict[int, Proc] = {}
+        try:
+            names = os.listdir(self.proc_root)
+        except OSError:
+            return procs
+        pids = {int(n) for n in names if n.isdigit()}
+        self.kthreads &= pids
+        for pid in pids - self.kthreads:
+            p = read_stat(f"{self.proc_root}/{pid}/stat")
+            if p is None:
+                continue
+            if p.is_kernel:
+                self.kthreads.add(pid)
+            else:
+                procs[pid] = p
+        return procs
+
+
 def scan_procs(proc_root: str = "/proc") -> dict[int, Proc]:
+    """Every process, kernel threads included (one-off scans and tests)."""
     procs: dict[int, Proc] = {}
     try:
         names = os.listdir(proc_root)
     except OSError:
         return procs
     for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"{proc_root}/{name}/stat", "rb") as f:
-                text = f.read(1024).decode("utf-8", "replace")
-        except OSError:
-            continue  # exited between listdir and open
-        p = parse_stat(text)
-        if p is not None:
-            procs[p.pid] = p
+        if name.isdigit():
+            p = read_stat(f"{proc_root}/{name}/stat")
+            if p is not None:
+                procs[p.pid] = p
     return procs
 
 
@@ -235,8 +282,13 @@ class Detector:
             start_t, source = t, "hint"
         else:
             return []
-        if any(k[0] == pid for k in self.tools):
-            return []
+        for key, (comm, start_t0, src) in list(self.tools.items()):
+            if key[0] == pid:
+                # Already a tool (seen by a scan before this exec): keep its start, take the
+                # new program's name for its tool-end.
+                new_comm = _read_comm(pid, proc_root) or comm
+                self.tools[key] = (new_comm, start_t0, src)
+                return []
         try:
             with open(f"{proc_root}/{pid}/stat", "rb") as f:
                 p = parse_stat(f.read(1024).decode("utf-8", "replace"))
@@ -548,6 +600,7 @@ class Agent:
                  proc_root: str = "/proc", proc_events: ProcEvents | None = None) -> None:
         self.port, self.hints, self.detector, self.proc_root = port, hints, detector, proc_root
         self.proc_events = proc_events
+        self.scanner = Scanner(proc_root)
         self.seq = 0
         self.stop = False
 
@@ -638,10 +691,12 @@ class Agent:
             now = time.monotonic()
             if now >= next_scan:
                 boot_now = time.clock_gettime(time.CLOCK_BOOTTIME)
-                for msg in self.detector.step(scan_procs(self.proc_root), now, self.proc_root, boot_now):
+                for msg in self.detector.step(self.scanner.scan(), now, self.proc_root, boot_now):
                     self.emit(msg)
-                next_scan = now + (POLL_IDLE_S if self.detector.idle and not self.detector.tools
-                                   else POLL_BUSY_S)
+                # Idle: scan slowly. Without process events a live tool keeps the fast cadence
+                # so that its end is seen within a scan; with them its exit is an event.
+                slow = self.detector.idle and (self.proc_events is not None or not self.detector.tools)
+                next_scan = now + (POLL_IDLE_S if slow else POLL_BUSY_S)
 
 
 def main(argv: list[str] | None = None) -> int:
