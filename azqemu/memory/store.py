@@ -475,6 +475,8 @@ class PageStore:
 
         ``out`` may be a reusable (n, 4096) C-contiguous uint8 buffer; fresh large buffers
         page-fault on first touch, which costs as much as decoding on this class of host.
+        On ChecksumMismatch (``page_idx`` names a page that failed) or StoreCorrupt, the
+        contents of ``out`` are undefined and must not reach a guest.
         """
         page_idx = np.asarray(page_idx, dtype=np.int64)
         n = len(page_idx)
@@ -515,7 +517,15 @@ class PageStore:
             try:
                 self._decode_batch(batch, template, out, brows[first])
             except ChecksumMismatch as err:
-                raise ChecksumMismatch(int(page_idx[brows[0]]) if len(brows) == 1 else -1, str(err)) from err
+                # Name the first requested page that depends on the failing blob.
+                bad_blob = getattr(err, "blob_id", -1)
+                hit = np.flatnonzero(ref[brows] == bad_blob)
+                if len(hit) == 0 and batch.base is not None:
+                    users = batch.blobs[batch.base_pos >= 0][batch.base.blobs[batch.base_pos[batch.base_pos >= 0]]
+                                                             == bad_blob]
+                    hit = np.flatnonzero(np.isin(ref[brows], users))
+                page = int(page_idx[brows[hit[0]]]) if len(hit) else -1
+                raise ChecksumMismatch(page, str(err)) from err
             others = np.ones(len(brows), dtype=bool)
             others[first] = False
             if others.any():
@@ -600,7 +610,10 @@ class PageStore:
                     raise StoreCorrupt(str(self.root), f"{what}: unknown method {mth}")
         bad_rows = page_hashes_rows(out, rows)[1] != b.check
         if bad_rows.any():
-            raise ChecksumMismatch(-1, f"blob {int(b.blobs[int(np.flatnonzero(bad_rows)[0])])}")
+            blob_id = int(b.blobs[int(np.flatnonzero(bad_rows)[0])])
+            err = ChecksumMismatch(-1, f"blob {blob_id}")
+            err.blob_id = blob_id       # type: ignore[attr-defined]
+            raise err
         return out
 
     # ------------------------------------------------------------------ release

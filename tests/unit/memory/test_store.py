@@ -172,12 +172,40 @@ def test_damaged_payload_fails_checksum(store, small_set, small_template) -> Non
     arena = store._arenas.arenas[int(row["arena"])]
     pos = int(row["offset"]) + int(row["length"]) - 2
     arena.mm[pos] ^= 0x01
-    with pytest.raises((ChecksumMismatch, StoreCorrupt)):
-        store.decode("a", np.array([victim]))
+    with pytest.raises((ChecksumMismatch, StoreCorrupt)) as err:
+        store.decode("a", np.concatenate([zstd_pages[1:4], [victim]]))
+    if isinstance(err.value, ChecksumMismatch):
+        assert err.value.page_idx == victim
     buf = bytearray(b"\xee" * PAGE_SIZE)
     with pytest.raises((ChecksumMismatch, StoreCorrupt)):
         store.decode_page_into("a", victim, memoryview(buf))
     assert bytes(buf) == b"\xee" * PAGE_SIZE          # nothing handed out
+
+
+def test_checksum_mismatch_names_the_page(store, small_set, small_template) -> None:
+    """A payload that decodes to other bytes than were stored is caught by the checksum, in the
+    bulk path (naming the page) and on the fault path (leaving the buffer untouched)."""
+    idx, pages = small_set.sandboxes[0]
+    store.encode("a", "d", idx, pages, small_template)
+    stored = store.stored_pages("a")
+    kinds = store.page_kinds("a", stored)
+    for kind in (Kind.ZSTD, Kind.TDELTA, Kind.SDELTA):
+        victims = stored[kinds == int(kind)]
+        if len(victims) == 0:
+            continue
+        victim = int(victims[0])
+        hit = store._sandboxes["a"].index.lookup_one(victim)
+        assert hit is not None
+        store._table.rows["check"][hit[2]] ^= np.uint64(1)
+        with pytest.raises(ChecksumMismatch) as err:
+            store.decode("a", np.concatenate([stored[kinds == int(Kind.TEMPLATE)][:3], [victim]]))
+        assert err.value.page_idx == victim
+        buf = bytearray(b"\xee" * PAGE_SIZE)
+        with pytest.raises(ChecksumMismatch) as err:
+            store.decode_page_into("a", victim, memoryview(buf))
+        assert err.value.page_idx == victim and bytes(buf) == b"\xee" * PAGE_SIZE
+        store._table.rows["check"][hit[2]] ^= np.uint64(1)
+        np.testing.assert_array_equal(store.decode("a", np.array([victim]))[0], pages[np.searchsorted(idx, victim)])
 
 
 def test_corrupt_template_memory_fails_checksum(store, small_set, small_template) -> None:
