@@ -22,8 +22,8 @@ Modules, one concept each:
 from azqemu.memory.accounting import DomainBytes, OwnedBytes, StoreBytes
 from azqemu.memory.kinds import PAGE_SIZE, RAW_THRESHOLD_BYTES, Kind
 from azqemu.memory.ram import RamBlock, RamLayout, data_extents, read_resident_pages
-from azqemu.memory.store import EncodeResult, PageStore
+from azqemu.memory.store import EncodeResult, NotStored, PageStore
 from azqemu.memory.template import TemplateImage
 
-__all__ = ["PAGE_SIZE", "RAW_THRESHOLD_BYTES", "DomainBytes", "EncodeResult", "Kind", "OwnedBytes", "PageStore",
+__all__ = ["PAGE_SIZE", "RAW_THRESHOLD_BYTES", "DomainBytes", "EncodeResult", "Kind", "NotStored", "OwnedBytes", "PageStore",
            "RamBlock", "RamLayout", "StoreBytes", "TemplateImage", "data_extents", "read_resident_pages"]

@@ -76,6 +76,23 @@ ENCODER_BLOB_CACHE_PAGES = 4096
 _NAME_OK = re.compile(r"^[^\x00]{1,1024}$")
 
 
+class NotStored(StoreError, KeyError):
+    """The store holds no such sandbox (``page_idx`` None) or no such page of it.
+
+    Also a KeyError, so that lookups of a missing page read naturally to callers such as the
+    restore path's StoreSource, which turns KeyError into PageUnavailable (never a zero page).
+    """
+
+    def __init__(self, sandbox: str, page_idx: int | None = None) -> None:
+        self.sandbox, self.page_idx = sandbox, page_idx
+        msg = (f"no sandbox {sandbox!r} in the page store" if page_idx is None
+               else f"page {page_idx} of {sandbox!r} is not in the store")
+        super().__init__(msg)
+
+    def __str__(self) -> str:          # KeyError would quote the message
+        return str(self.args[0])
+
+
 @dataclass
 class EncodeResult:
     sandbox: str
@@ -226,7 +243,7 @@ class PageStore:
     def _sandbox(self, name: str) -> _Sandbox:
         sb = self._sandboxes.get(name)
         if sb is None:
-            raise StoreError(f"no sandbox {name!r} in the page store")
+            raise NotStored(name)
         return sb
 
     def sandboxes(self) -> list[str]:
@@ -435,11 +452,11 @@ class PageStore:
         with self._lock:
             sb = self._sandboxes.get(sandbox)
             if sb is None:
-                raise StoreError(f"no sandbox {sandbox!r} in the page store")
+                raise NotStored(sandbox)
             idx = sb.index
             hit = idx.lookup_one(page_idx)
             if hit is None:
-                raise StoreError(f"page {page_idx} of {sandbox!r} is not in the store")
+                raise NotStored(sandbox, page_idx)
             k, flags, ref = hit
             template = self._templates.get(sb.template_id) or self._template(sb.template_id)
             recipe = None
@@ -490,7 +507,7 @@ class PageStore:
             found, kind, flags, ref32 = sb.index.lookup(page_idx)
             if n and not found.all():
                 missing = int(page_idx[np.flatnonzero(~found)[0]])
-                raise StoreError(f"page {missing} of {sandbox!r} is not in the store")
+                raise NotStored(sandbox, missing)
             ref = ref32.astype(np.int64)
             m_tpl = kind == _KIND_TEMPLATE
             m_dupt = (flags & FLAG_REF_TEMPLATE) != 0
@@ -557,6 +574,13 @@ class PageStore:
             batch.base_pos = np.full(len(blobs), -1, dtype=np.int64)
             batch.base_pos[based] = pos
         return batch
+
+    def decode_pages_into(self, sandbox: str, page_idx: np.ndarray, out: Any) -> None:
+        """Bulk decode into a writable buffer of len(page_idx) * 4096 bytes (page j at j*4096):
+        the prefetcher's form of ``decode``, same verification and errors."""
+        n = len(page_idx)
+        arr = np.frombuffer(out, dtype=np.uint8, count=n * PAGE_SIZE).reshape(n, PAGE_SIZE)
+        self.decode(sandbox, page_idx, out=arr)
 
     def _decode_batch(self, b: _Batch, template: TemplateImage, out: np.ndarray | None = None,
                       rows: np.ndarray | None = None) -> np.ndarray:

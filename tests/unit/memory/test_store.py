@@ -298,3 +298,36 @@ def test_arena_compaction_keeps_pages(store_dir, small_set, small_template) -> N
         s.flush()
     with PageStore(store_dir, templates=(small_template,)) as s:
         np.testing.assert_array_equal(s.decode("b", stored), _expect(small_set, 1, stored))
+
+
+def test_missing_pages_are_key_errors(store, small_set, small_template) -> None:
+    from azqemu.memory import NotStored
+    idx, pages = small_set.sandboxes[0]
+    store.encode("a", "d", idx, pages, small_template)
+    with pytest.raises(NotStored) as err:
+        store.decode_page_into("a", 1 << 30, bytearray(PAGE_SIZE))
+    assert isinstance(err.value, KeyError) and isinstance(err.value, StoreError)
+    assert err.value.page_idx == 1 << 30 and str(err.value) == f"page {1 << 30} of 'a' is not in the store"
+    with pytest.raises(KeyError):
+        store.stored_pages("nobody")
+
+
+def test_restore_store_source_adapter(store, small_set, small_template) -> None:
+    """The restore path's StoreSource serves pages from this store and refuses missing ones."""
+    source_mod = pytest.importorskip("azqemu.restore.source")
+    errors_mod = pytest.importorskip("azqemu.restore.errors")
+    idx, pages = small_set.sandboxes[0]
+    store.encode("a", "d", idx, pages, small_template)
+    stored = store.stored_pages("a")
+    src = source_mod.StoreSource(store, "a")
+    buf = bytearray(PAGE_SIZE)
+    src.fill(int(stored[5]) * PAGE_SIZE, memoryview(buf))
+    assert bytes(buf) == pages[np.searchsorted(idx, stored[5])].tobytes()
+    many = bytearray(PAGE_SIZE * 8)
+    src.fill_pages(stored[:8] * PAGE_SIZE, memoryview(many))
+    assert bytes(many) == pages[np.searchsorted(idx, stored[:8])].tobytes()
+    missing = int(np.setdiff1d(np.arange(idx.max() + 2), stored)[0])
+    with pytest.raises(errors_mod.PageUnavailable):
+        src.fill(missing * PAGE_SIZE, memoryview(buf))
+    with pytest.raises(errors_mod.PageUnavailable):
+        src.fill_pages(np.array([int(stored[0]), missing]) * PAGE_SIZE, memoryview(bytearray(2 * PAGE_SIZE)))
