@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 AZQ := $(VENV)/bin/azq
 APT_PACKAGES := qemu-system-x86 qemu-utils libvirt-daemon-system libvirt-clients libvirt-dev \
 	pkg-config debootstrap e2fsprogs busybox-static cpio kmod zstd xz-utils gcc make \
-	python3-venv liblzo2-dev util-linux iproute2 procps
+	python3-venv liblzo2-dev util-linux iproute2 procps tini
 PYTEST_ARGS ?=
 
 .PHONY: all deps venv lib image host test unit integration lint demo clean

@@ -25,18 +25,23 @@ import psutil
 from azqemu import config as config_mod
 from azqemu.errors import HostError, LibvirtUnavailable, NotRoot
 from azqemu.kvm_probe import KvmVerdict, probe_kvm
+from azqemu.virt import cowhook
 
 log = logging.getLogger(__name__)
 
 QEMU_CONF = Path("/etc/libvirt/qemu.conf")
 CONF_MARK = "# --- azqemu (managed block) ---"
+CONF_END = "# --- end azqemu ---"
 CONF_BLOCK = f"""{CONF_MARK}
 # QEMU's per-domain mount namespace is off: azqemu passes sockets and RAM files by path.
 namespaces = [ ]
-# --- end azqemu ---
+# File-backed guest RAM (copy-on-write clones, see azqemu/virt/cowhook.py) lives here.
+memory_backing_dir = "{cowhook.MEMORY_BACKING_DIR}"
+{CONF_END}
 """
 HIDDEN_KVM_FILE = Path("/run/azqemu/empty-kvm")
 LIBVIRTD_START_TIMEOUT_S = 30.0
+LIBVIRTD_LOG = Path("/var/log/azqemu/libvirtd.out")
 
 
 @dataclass(frozen=True)
@@ -91,10 +96,18 @@ def libvirtd_hides_kvm(proc: psutil.Process) -> bool:
 def configure_libvirt() -> bool:
     """Add azqemu's block to qemu.conf once; True if the file changed (libvirtd must restart)."""
     text = QEMU_CONF.read_text()
-    if CONF_MARK in text:
+    if CONF_BLOCK in text:
         return False
-    if re.search(r"^\s*namespaces\s*=", text, re.M):
-        raise HostError(f"{QEMU_CONF} already sets 'namespaces'; set it to [ ] by hand")
+    if CONF_MARK in text:
+        # An older azqemu block: replace it whole.
+        start = text.index(CONF_MARK)
+        end = text.find(CONF_END, start)
+        end = len(text) if end < 0 else text.index("\n", end) + 1 if "\n" in text[end:] else len(text)
+        text = text[:start].rstrip("\n") + "\n" + text[end:]
+    else:
+        for key in ("namespaces", "memory_backing_dir"):
+            if re.search(rf"^\s*{key}\s*=", text, re.M):
+                raise HostError(f"{QEMU_CONF} already sets '{key}'; remove it so azqemu can manage it")
     QEMU_CONF.write_text(text.rstrip("\n") + "\n\n" + CONF_BLOCK)
     return True
 
@@ -102,6 +115,7 @@ def configure_libvirt() -> bool:
 def _wait_libvirt(uri: str, timeout_s: float) -> None:
     import libvirt  # only the virt layer and set-up touch libvirt
 
+    libvirt.registerErrorHandler(lambda _ctx, err: log.debug("libvirt: %s", err), None)
     deadline = time.monotonic() + timeout_s
     last = ""
     while time.monotonic() < deadline:
@@ -116,15 +130,28 @@ def _wait_libvirt(uri: str, timeout_s: float) -> None:
 
 
 def _start_libvirtd(hide_kvm: bool) -> None:
+    """Start libvirtd in the background under ``tini -s`` (a child subreaper).
+
+    libvirt double-forks QEMU, so a stopped QEMU is reaped by whoever adopts orphans. On
+    hosts whose PID 1 reaps slowly (seen here: about every 2 s), libvirt's destroy then
+    waits for the zombie to vanish and every ``virsh destroy`` takes 2 s. Under a
+    subreaper that waits for its children at once, QEMU is reaped immediately.
+    """
+    tini = shutil.which("tini")
+    inner = f"exec {tini} -s -- libvirtd" if tini else "exec libvirtd -d"
     if hide_kvm:
         HIDDEN_KVM_FILE.parent.mkdir(parents=True, exist_ok=True)
         HIDDEN_KVM_FILE.touch()
-        cmd = ["unshare", "-m", "--propagation", "slave", "sh", "-c",
-               f"mount --bind {HIDDEN_KVM_FILE} /dev/kvm && exec libvirtd -d"]
+        inner = f"mount --bind {HIDDEN_KVM_FILE} /dev/kvm && {inner}"
+        cmd = ["unshare", "-m", "--propagation", "slave", "sh", "-c", inner]
     else:
-        cmd = ["libvirtd", "-d"]
+        cmd = ["sh", "-c", inner]
     log.info("starting libvirtd: %s", " ".join(cmd))
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    LIBVIRTD_LOG.parent.mkdir(parents=True, exist_ok=True)
+    with open(LIBVIRTD_LOG, "ab") as out:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
+    if not tini:
+        proc.wait(30)
 
 
 def setup_host(*, restart: bool = False, kernel: Path | None = None) -> list[str]:
@@ -139,6 +166,10 @@ def setup_host(*, restart: bool = False, kernel: Path | None = None) -> list[str
     if configure_libvirt():
         done.append(f"configured {QEMU_CONF}")
         restart = True
+    if cowhook.install_hook():
+        done.append(f"installed {cowhook.HOOK_PATH}")
+        restart = True
+    Path(cowhook.MEMORY_BACKING_DIR).mkdir(parents=True, exist_ok=True)
     if not _procs("virtlogd"):
         subprocess.run(["virtlogd", "-d"], check=True)
         done.append("started virtlogd")

@@ -87,6 +87,10 @@ class SandboxRepo:
         return out
 
 
+def cow_fill(_dom: Domain, _pid: int, _ident: Identity, _tmpl: TemplateMeta) -> None:
+    """Copy-on-write clones map the template image itself (azqemu/virt/cowhook.py): no copy."""
+
+
 def eager_fill(_dom: Domain, pid: int, _ident: Identity, tmpl: TemplateMeta) -> None:
     """Copy the template's data extents into the clone's RAM memfd."""
     repo = TemplateRepo()
@@ -131,7 +135,8 @@ def clone_one(host: Host, tmpl: TemplateMeta, name: str, *, sharing_domain: str,
             libvirt_type=tmpl.libvirt_type, machine=tmpl.machine, incoming=True, env=env or {},
             ram_backing=ram_backing,
             metadata={"role": "sandbox", "template": tmpl.name, "sharing-domain": sharing_domain,
-                      "ram-mode": ram_mode})
+                      "ram-mode": ram_mode,
+                      **({"cow-ram": str(trepo.ram_path(tmpl.name))} if ram_backing == "file-private" else {})})
         dom = host.create_transient(domxml.build(spec), name, paused=True)
         pid = dom.qemu_pid()
         if pid is None:

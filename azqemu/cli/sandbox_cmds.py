@@ -85,8 +85,10 @@ def template_delete(name: str) -> None:
 @click.option("--name-prefix", default=None, help="Clone names are PREFIX0, PREFIX1, ... (default TEMPLATE-).")
 @click.option("--domain", "sharing_domain", default="default", show_default=True,
               help="Sharing domain (tenant/task): pages are deduplicated only within one.")
-@click.option("--mode", "ram_mode", type=click.Choice(["auto", "eager", "lazy"]), default="auto",
-              show_default=True, help="How RAM is filled: copied, or served on first touch.")
+@click.option("--mode", "ram_mode", type=click.Choice(["auto", "eager", "lazy", "cow"]), default="auto",
+              show_default=True,
+              help="How RAM is filled: copied (eager), served on first touch (lazy), or a "
+                   "private mapping of the template (cow, for Linux's KSM/zram).")
 @click.option("--json", "as_json", is_flag=True)
 def clone(template_name: str, count: int, name_prefix: str | None, sharing_domain: str, ram_mode: str,
           as_json: bool) -> None:

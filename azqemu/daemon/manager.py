@@ -38,6 +38,7 @@ from azqemu.sandboxes import (
     SandboxRecord,
     SandboxRepo,
     clone_one,
+    cow_fill,
     destroy,
     eager_fill,
 )
@@ -218,11 +219,12 @@ class Manager:
         for n in names:
             validate_name(n, "sandbox name")
         mode = ram_mode or ("lazy" if self.lazy_available else "eager")
-        if mode not in ("eager", "lazy"):
-            raise ConfigError(f"unknown RAM mode {mode!r} (eager, lazy)")
+        if mode not in ("eager", "lazy", "cow"):
+            raise ConfigError(f"unknown RAM mode {mode!r} (eager, lazy, cow)")
         if mode == "lazy" and not self.lazy_available:
             raise ConfigError(f"lazy clones are not available here: {doctor.restore_mode()[1]}")
-        env = self._preload_env() if self.lazy_available else {}
+        env = self._preload_env() if self.lazy_available and mode != "cow" else {}
+        fills = {"eager": eager_fill, "cow": cow_fill}
 
         def lazy_fill(_dom: Domain, _pid: int, ident: Identity, t: TemplateMeta) -> None:
             self._attach_memory(ident.name, sharing_domain, t, lazy_clone=True)
@@ -231,8 +233,8 @@ class Manager:
             with self.lock(n):
                 try:
                     return clone_one(self.host, tmpl, n, sharing_domain=sharing_domain, ram_mode=mode,
-                                     fill=lazy_fill if mode == "lazy" else eager_fill,
-                                     repo=self.sandboxes, env=env)
+                                     fill=fills.get(mode, lazy_fill), repo=self.sandboxes, env=env,
+                                     ram_backing="file-private" if mode == "cow" else "memfd")
                 except BaseException:
                     mem = self.mem.pop(n, None)
                     if mem is not None:
@@ -316,6 +318,9 @@ class Manager:
             dom = self._domain(name)
             if not self.lazy_available:
                 raise ConfigError(f"cannot compress {name!r}: {doctor.restore_mode()[1]}")
+            if rec.ram_mode == "cow":
+                raise ConfigError(f"cannot compress {name!r}: copy-on-write clones are left to Linux "
+                                  "(KSM, zram); clone with --mode lazy or eager")
             if dom.state() == "running":
                 dom.suspend()
             mem = self.mem.get(name)
@@ -339,11 +344,19 @@ class Manager:
             self._release_memory(name)
             destroy(self.host, self.sandboxes, name)
 
-    def _resident_bytes(self, dom: Domain) -> int | None:
+    def _resident_bytes(self, dom: Domain, ram_mode: str) -> int | None:
+        """Guest RAM the host holds for this sandbox alone: the memfd's allocated pages, or
+        for a copy-on-write clone the anonymous (copied) pages of its RAM mapping."""
         pid = dom.qemu_pid()
         if pid is None:
             return None
         try:
+            if ram_mode == "cow":
+                from azqemu.bench.hostmem import read_vma_smaps
+                from azqemu.bench.linux_config import find_guest_ram
+
+                start, end = find_guest_ram(pid, backing="ram.img")
+                return read_vma_smaps(pid, start, end).get("Anonymous", 0)
             return os.stat(ramfile.find_ram_fd(pid)).st_blocks * 512
         except Exception:  # noqa: BLE001 - a domain stopping while listed
             return None
@@ -354,7 +367,7 @@ class Manager:
             dom = self.host.get_domain(rec.name)
             d["state"] = dom.state()
             d["qemu_pid"] = dom.qemu_pid()
-            d["resident_bytes"] = self._resident_bytes(dom)
+            d["resident_bytes"] = self._resident_bytes(dom, rec.ram_mode)
         except DomainNotFound:
             d.update(state="gone", qemu_pid=None, resident_bytes=None)
         mem = self.mem.get(rec.name)
