@@ -40,8 +40,8 @@ only mapper (then the shmem page itself goes to swap and the next clone to touch
 in). 32 MiB of private pages went out in 45 ms, and lzo-rle stored half-zero pages at 1.87x
 including zram's allocator overhead.
 
-A record of the previous values is written before anything changes (``RECORD_NAME`` in the
-run directory), so ``LinuxConfig.recover()`` can restore a host after a crash of the process
+A record of the previous values is written before anything changes (``RECORD_NAME`` in
+RECORD_DIR, /run: host-wide like what it records, whatever AZQ_RUN_DIR a process uses), so ``LinuxConfig.recover()`` can restore a host after a crash of the process
 that set it up. Only one LinuxConfig can be active on a host (a lock file).
 """
 
@@ -63,7 +63,6 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from azqemu import config as azq_config
 from azqemu.bench.hostmem import KsmStat, read_ksm, read_zram_mm_stat
 from azqemu.errors import HostError, NotRoot
 
@@ -72,8 +71,11 @@ KSM_DIR = Path("/sys/kernel/mm/ksm")
 ZSWAP_DIR = Path("/sys/module/zswap/parameters")
 ZRAM_CONTROL = Path("/sys/class/zram-control")
 SYSCTLS = {"swappiness": Path("/proc/sys/vm/swappiness"), "page-cluster": Path("/proc/sys/vm/page-cluster")}
-RECORD_NAME = "linux-config.json"
-LOCK_NAME = "linux-config.lock"
+# KSM, swap and sysctls are host-wide, so the record and the lock are too (not per AZQ_RUN_DIR:
+# two test sessions with their own run directories must still exclude each other).
+RECORD_DIR = Path("/run")
+RECORD_NAME = "azqemu-linux-config.json"
+LOCK_PATH = Path("/run/azqemu-linux-config.lock")
 
 # Tuning (see the module docstring for the reasons).
 ZRAM_ALGORITHMS = ("lzo-rle", "lz4", "zstd", "lzo")
@@ -484,14 +486,14 @@ class LinuxConfig:
 
     def __init__(self, *, zram_disksize_bytes: int | None = None, zram_algorithm: str | None = None,
                  ksm_pages_to_scan: int = KSM_PAGES_TO_SCAN, ksm_sleep_ms: int = KSM_SLEEP_MS,
-                 swappiness: int = SWAPPINESS, run_dir: Path | None = None) -> None:
+                 swappiness: int = SWAPPINESS, record_dir: Path = RECORD_DIR) -> None:
         self.zram_disksize_bytes = zram_disksize_bytes
         self.zram_algorithm = zram_algorithm
         self.ksm_pages_to_scan = ksm_pages_to_scan
         self.ksm_sleep_ms = ksm_sleep_ms
         self.swappiness = swappiness
-        self.run_dir = run_dir or azq_config.load().run_dir
-        self.record_path = self.run_dir / RECORD_NAME
+        self.record_dir = record_dir
+        self.record_path = record_dir / RECORD_NAME
         self.before: HostSnapshot | None = None
         self.zram_device: str | None = None
         self.algorithm: str | None = None
@@ -521,14 +523,14 @@ class LinuxConfig:
         _write(path, value)
 
     def _lock(self) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.run_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self.record_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(LOCK_PATH, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             raise HostError("another azqemu Linux configuration is active on this host "
-                            f"(lock {self.run_dir / LOCK_NAME})") from None
+                            f"(lock {LOCK_PATH})") from None
         self._lock_fd = fd
 
     def _unlock(self) -> None:
@@ -543,7 +545,7 @@ class LinuxConfig:
         try:
             if self.record_path.exists():
                 # A previous run died without teardown: put the host back first.
-                LinuxConfig.recover(self.run_dir, _locked=True)
+                LinuxConfig.recover(self.record_dir, _locked=True)
             self.before = HostSnapshot.take()
             self._rec = _Record(before=asdict(self.before))
             self._save()
@@ -632,13 +634,12 @@ class LinuxConfig:
             self._unlock()
 
     @staticmethod
-    def recover(run_dir: Path | None = None, *, _locked: bool = False) -> bool:
+    def recover(record_dir: Path = RECORD_DIR, *, _locked: bool = False) -> bool:
         """Restore a host from the record a crashed LinuxConfig left; True if there was one."""
-        run_dir = run_dir or azq_config.load().run_dir
-        path = run_dir / RECORD_NAME
+        path = record_dir / RECORD_NAME
         if not path.exists():
             return False
-        cfg = LinuxConfig(run_dir=run_dir)
+        cfg = LinuxConfig(record_dir=record_dir)
         if not _locked:
             cfg._lock()
         try:

@@ -136,7 +136,7 @@ def test_recover_after_a_crash(host_before: HostSnapshot, tmp_path: Path) -> Non
         import os, signal
         from pathlib import Path
         from azqemu.bench.linux_config import LinuxConfig
-        cfg = LinuxConfig(zram_disksize_bytes=32 << 20, run_dir=Path({str(tmp_path)!r}))
+        cfg = LinuxConfig(zram_disksize_bytes=32 << 20, record_dir=Path({str(tmp_path)!r}))
         cfg.setup()
         os.kill(os.getpid(), signal.SIGKILL)
     """)
@@ -150,6 +150,32 @@ def test_recover_after_a_crash(host_before: HostSnapshot, tmp_path: Path) -> Non
         assert LinuxConfig.recover(tmp_path) is True
     assert before.diff(HostSnapshot.take()) == []
     assert LinuxConfig.recover(tmp_path) is False
+
+
+def test_sigterm_tears_down(host_before: HostSnapshot, tmp_path: Path) -> None:
+    """A benchmark killed politely (SIGTERM) restores the host itself, no recover() needed."""
+    script = textwrap.dedent(f"""
+        import sys, time
+        from pathlib import Path
+        from azqemu.bench.linux_config import LinuxConfig, signals_raise
+        with signals_raise(), LinuxConfig(zram_disksize_bytes=32 << 20, record_dir=Path({str(tmp_path)!r})):
+            print("ready", flush=True)
+            time.sleep(60)
+    """)
+    before = HostSnapshot.take()
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        assert HostSnapshot.take().diff(before) != []
+        p.terminate()
+        assert p.wait(60) == 128 + 15
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        LinuxConfig.recover(tmp_path)
+    assert not (tmp_path / lc.RECORD_NAME).exists()
+    assert before.diff(HostSnapshot.take()) == []
 
 
 def test_ksm_merges_identical_private_buffers(linux: LinuxConfig) -> None:

@@ -129,4 +129,4 @@ def test_setup_needs_root(tmp_path: Path) -> None:
     if os.geteuid() == 0:
         pytest.skip("running as root: tests/integration/test_linux_config.py covers set-up")
     with pytest.raises(lc.NotRoot):
-        lc.LinuxConfig(run_dir=tmp_path).setup()
+        lc.LinuxConfig(record_dir=tmp_path).setup()
