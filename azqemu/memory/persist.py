@@ -30,7 +30,7 @@ from azqemu.memory.kinds import ENTRY_DTYPE
 
 STORE_MAGIC = b"AZQSTORE"
 INDEX_MAGIC = b"AZQINDEX"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2      # 2: sandbox index = 2-bit map + 10-byte entries
 _STORE_HEAD = struct.Struct("<8sIIQQQ")
 _INDEX_HEAD = struct.Struct("<8sII16sQQQQ")
 MAX_JSON_BYTES = 64 << 20

@@ -66,6 +66,8 @@ class SimilarityIndex:
 
     @classmethod
     def build(cls, fps: np.ndarray, sources: np.ndarray) -> SimilarityIndex:
+        if len(sources) == 0:
+            return cls(np.zeros(0, np.uint64), np.zeros(0, np.asarray(sources).dtype))
         fps = np.asarray(fps, dtype=np.uint64).reshape(len(sources), -1)
         flat = fps.reshape(-1)
         src = np.repeat(np.asarray(sources), fps.shape[1])      # keeps the caller's dtype

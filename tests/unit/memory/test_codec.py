@@ -150,3 +150,16 @@ def test_python_backend_store_round_trip(store_dir, small_set, small_template) -
     if "libzstd" in BACKENDS:
         with PageStore(store_dir, templates=(small_template,), zstd_backend="libzstd") as store:
             np.testing.assert_array_equal(store.decode("a", stored), pages[np.searchsorted(idx, stored)])
+
+
+def test_empty_template(store_dir, corpus) -> None:
+    """A template with no data at all (every page a hole) still works as a base."""
+    from azqemu.memory.template import TemplateImage
+    empty = TemplateImage(page_idx=np.zeros(0, np.int64), pages=np.zeros((0, PAGE_SIZE), np.uint8),
+                          size_bytes=64 * PAGE_SIZE)
+    pages = np.stack([corpus.elf[1], np.zeros(PAGE_SIZE, np.uint8), corpus.elf[1], corpus.text[2]])
+    idx = np.array([1, 2, 3, 80])
+    with PageStore(store_dir, arena_bytes=SMALL_ARENA) as store:
+        store.encode("a", "d", idx, pages, empty)
+        assert [Kind(k).name for k in store.page_kinds("a", idx)] == ["ZSTD", "ZERO", "DUP", "ZSTD"]
+        np.testing.assert_array_equal(store.decode("a", idx), pages)
