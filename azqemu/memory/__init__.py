@@ -8,7 +8,9 @@ Modules, one concept each:
     zstdlib      zstd of single pages, with a reference page as raw-content prefix
     simindex     sampled block hashes (Difference Engine) for SDELTA candidates
     encoder      choosing a representation per page (vectorised first, codecs last)
+    _pagecodec.c the per-page encode/decode loops in C (optional, loaded with ctypes)
     arena        arena files holding the payloads
+    blobdecode   decoding blobs (single recipes, batches) outside the store's lock
     blobtable    payload locations, reference counts, per-domain indices
     sbxindex     the per-sandbox index
     persist      on-disk metadata formats

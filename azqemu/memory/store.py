@@ -38,6 +38,7 @@ from azqemu.memory.accounting import (
     sandbox_shares,
 )
 from azqemu.memory.arena import ARENA_HEADER_BYTES, DEFAULT_ARENA_BYTES, ArenaSet
+from azqemu.memory.blobdecode import decode_batch, decode_recipe, read_batch, read_recipe
 from azqemu.memory.blobtable import BLOB_DTYPE, BlobTable, DomainState
 from azqemu.memory.encoder import T_BLOB, T_NEW, T_TEMPLATE, Encoder, EncoderOptions, Plan
 from azqemu.memory.kinds import (
@@ -64,13 +65,11 @@ from azqemu.memory.simindex import SimilarityIndex
 from azqemu.memory.template import TemplateImage
 from azqemu.memory.zstdlib import DEFAULT_LEVEL, PageZstd
 
-_ZERO_BYTES = bytes(PAGE_SIZE)
 _ZERO_ARRAY = np.zeros(PAGE_SIZE, dtype=np.uint8)
 _ZERO_ARRAY.flags.writeable = False
 _DIGEST = xxhash.xxh3_128_digest
 _KIND_ZERO, _KIND_TEMPLATE = int(Kind.ZERO), int(Kind.TEMPLATE)
 _REFTYPE_BLOB, _REFTYPE_TEMPLATE = int(RefType.BLOB), int(RefType.TEMPLATE)
-_M_ZSTD, _M_XOR, _M_PREFIX = int(Method.ZSTD), int(Method.XOR), int(Method.PREFIX)
 # Blobs decoded for the encoder (DUP confirmation, SDELTA bases) are cached per encode call.
 ENCODER_BLOB_CACHE_PAGES = 4096
 _NAME_OK = re.compile(r"^[^\x00]{1,1024}$")
@@ -121,35 +120,6 @@ class _Sandbox:
     raw: np.ndarray                  # sorted u4 page indices left resident (RAW)
 
 
-@dataclass
-class _Recipe:
-    """Everything needed to decode one blob outside the lock."""
-
-    blob: int
-    payload: bytes
-    method: int
-    reftype: int
-    ref: int
-    check: int
-    base: _Recipe | None = None
-
-
-@dataclass
-class _Batch:
-    """Many blobs at once: their fields as arrays and their payloads back to back."""
-
-    blobs: np.ndarray
-    payload: bytes
-    off: np.ndarray          # u32 offset of each payload in ``payload``
-    length: np.ndarray       # u32
-    method: np.ndarray       # u8
-    reftype: np.ndarray      # u8
-    ref: np.ndarray          # int64
-    check: np.ndarray        # u64
-    base: _Batch | None = None
-    base_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))   # row in base, -1
-
-
 class _DomainView:
     """The encoder's window on one domain (encoder.DomainView)."""
 
@@ -166,8 +136,8 @@ class _DomainView:
         if page is None:
             page = np.empty(PAGE_SIZE, dtype=np.uint8)
             with self.store._lock:
-                recipe = self.store._recipe(blob_id)
-            self.store._decode_recipe(recipe, page, self.template)
+                recipe = read_recipe(self.store._table, self.store._arenas, blob_id)
+            decode_recipe(self.store.zstd, recipe, page, self.template)
             if len(self.cache) >= ENCODER_BLOB_CACHE_PAGES:
                 self.cache.clear()
             self.cache[blob_id] = page
@@ -398,50 +368,11 @@ class PageStore:
             return np.where(found, kind, int(Kind.RAW)).astype(np.uint8)
 
     # ------------------------------------------------------------------ decode
-    def _recipe(self, blob: int, depth: int = 0) -> _Recipe:
-        """Under the lock: copy a blob's payload and fields (and its base's) for decoding."""
-        table = self._table
-        if not 0 <= blob < table.n:
-            raise StoreCorrupt(str(self.root), f"blob {blob} out of range")
-        key, check, offset, ref, refcount, arena, length, _dom, method, reftype = table.rows[blob].item()
-        if refcount == 0:
-            raise StoreCorrupt(str(self.root), f"reference to freed blob {blob}")
-        payload = self._arenas.read(arena, offset, length)
-        base = None
-        if reftype == _REFTYPE_BLOB:
-            if depth:
-                raise StoreCorrupt(str(self.root), f"blob {blob}: SDELTA chain deeper than one")
-            base = self._recipe(ref, depth + 1)
-        return _Recipe(blob, payload, method, reftype, ref, check, base)
-
-    def _decode_recipe(self, r: _Recipe, out: np.ndarray, template: TemplateImage) -> None:
-        """Decode one blob into ``out`` (a 4096-byte C-contiguous array) and verify it."""
-        ref_page: np.ndarray = _ZERO_ARRAY
-        if r.reftype == _REFTYPE_TEMPLATE:
-            tp = template.page(r.ref)
-            ref_page = _ZERO_ARRAY if tp is None else tp
-        elif r.reftype == _REFTYPE_BLOB:
-            assert r.base is not None
-            ref_page = self._scratch(1)
-            self._decode_recipe(r.base, ref_page, template)
-        what = f"blob {r.blob}"
-        if r.method == _M_ZSTD:
-            self.zstd.decompress_into(r.payload, out, None, what)
-        elif r.method == _M_PREFIX:
-            self.zstd.decompress_into(r.payload, out, ref_page, what)
-        elif r.method == _M_XOR:
-            self.zstd.decompress_into(r.payload, out, None, what)
-            np.bitwise_xor(out, ref_page, out=out)
-        else:
-            raise StoreCorrupt(str(self.root), f"blob {r.blob}: unknown method {r.method}")
-        if int.from_bytes(_DIGEST(out.data)[8:], "little") != r.check:
-            raise ChecksumMismatch(-1, f"blob {r.blob}")
-
-    def _scratch(self, slot: int) -> np.ndarray:
-        bufs = getattr(self._tls, "bufs", None)
-        if bufs is None:
-            bufs = self._tls.bufs = [np.empty(PAGE_SIZE, dtype=np.uint8) for _ in range(2)]
-        return bufs[slot]
+    def _page_buf(self) -> np.ndarray:
+        buf = getattr(self._tls, "page", None)
+        if buf is None:
+            buf = self._tls.page = np.empty(PAGE_SIZE, dtype=np.uint8)
+        return buf
 
     def decode_page_into(self, sandbox: str, page_idx: int, out: Any) -> None:
         """Decode one page into ``out`` (a writable 4096-byte buffer), verified first.
@@ -471,7 +402,7 @@ class PageStore:
                     src = tp
                     expect = int(template.check[template.row_of[tpage]])
             else:
-                recipe = self._recipe(ref)
+                recipe = read_recipe(self._table, self._arenas, ref)
         if k == _KIND_ZERO:
             out[:PAGE_SIZE] = _ZERO_ARRAY
             return
@@ -480,9 +411,9 @@ class PageStore:
                 raise ChecksumMismatch(page_idx, "template page")
             out[:PAGE_SIZE] = src
             return
-        buf = self._scratch(0)
+        buf = self._page_buf()
         try:
-            self._decode_recipe(recipe, buf, template)
+            decode_recipe(self.zstd, recipe, buf, template)
         except ChecksumMismatch as err:
             raise ChecksumMismatch(page_idx, str(err)) from err
         out[:PAGE_SIZE] = buf
@@ -513,7 +444,7 @@ class PageStore:
             m_dupt = (flags & FLAG_REF_TEMPLATE) != 0
             m_blob = ~m_tpl & ~m_dupt & (kind != _KIND_ZERO)
             blobs, first, inverse = np.unique(ref[m_blob], return_index=True, return_inverse=True)
-            batch = self._batch(blobs)
+            batch = read_batch(self._table, self._arenas, blobs)
         # One gather fills every row: template rows from the template, everything else from the
         # template's zero row (ZERO pages are done; blob rows are overwritten below).
         src = np.full(n, template.zero_row, dtype=np.int64)
@@ -532,7 +463,7 @@ class PageStore:
             brows = np.flatnonzero(m_blob)
             # Decode each blob once, into the first row that needs it, then copy to the others.
             try:
-                self._decode_batch(batch, template, out, brows[first])
+                decode_batch(self.zstd, batch, template, out, brows[first])
             except ChecksumMismatch as err:
                 # Name the first requested page that depends on the failing blob.
                 bad_blob = getattr(err, "blob_id", -1)
@@ -549,96 +480,12 @@ class PageStore:
                 out[brows[others]] = out[brows[first][inverse[others]]]
         return out
 
-    def _batch(self, blobs: np.ndarray, depth: int = 0) -> _Batch:
-        """Under the lock: the fields and payloads of many blobs (and of their SDELTA bases)."""
-        table = self._table
-        blobs = np.asarray(blobs, dtype=np.int64)
-        if len(blobs) and (blobs.min() < 0 or blobs.max() >= table.n):
-            raise StoreCorrupt(str(self.root), "blob id out of range")
-        rows = table.rows[blobs]
-        if (rows["refcount"] == 0).any():
-            raise StoreCorrupt(str(self.root), "reference to a freed blob")
-        read = self._arenas.read
-        payload = b"".join([read(a, o, n) for a, o, n in zip(rows["arena"].tolist(), rows["offset"].tolist(),
-                                                             rows["length"].tolist())])
-        length = rows["length"].astype(np.uint32)
-        off = (np.cumsum(length, dtype=np.uint64) - length).astype(np.uint32)
-        batch = _Batch(blobs, payload, off, length, rows["method"].copy(), rows["reftype"].copy(),
-                       rows["ref"].astype(np.int64), rows["check"].copy())
-        based = np.flatnonzero(batch.reftype == _REFTYPE_BLOB)
-        if len(based):
-            if depth:
-                raise StoreCorrupt(str(self.root), "SDELTA chain deeper than one")
-            base_ids, pos = np.unique(batch.ref[based], return_inverse=True)
-            batch.base = self._batch(base_ids, depth + 1)
-            batch.base_pos = np.full(len(blobs), -1, dtype=np.int64)
-            batch.base_pos[based] = pos
-        return batch
-
     def decode_pages_into(self, sandbox: str, page_idx: np.ndarray, out: Any) -> None:
         """Bulk decode into a writable buffer of len(page_idx) * 4096 bytes (page j at j*4096):
         the prefetcher's form of ``decode``, same verification and errors."""
         n = len(page_idx)
         arr = np.frombuffer(out, dtype=np.uint8, count=n * PAGE_SIZE).reshape(n, PAGE_SIZE)
         self.decode(sandbox, page_idx, out=arr)
-
-    def _decode_batch(self, b: _Batch, template: TemplateImage, out: np.ndarray | None = None,
-                      rows: np.ndarray | None = None) -> np.ndarray:
-        """Decode a batch into ``out[rows]`` (default: a new (k, 4096) array) and verify it.
-
-        SDELTA bases are decoded (and verified) first, once each; the per-page loop runs in C
-        when _pagecodec.so is built, else in Python; checksums are verified here either way.
-        """
-        k = len(b.blobs)
-        if out is None:
-            out = np.empty((k, PAGE_SIZE), dtype=np.uint8)
-            rows = np.arange(k, dtype=np.int64)
-        assert rows is not None
-        bases = self._decode_batch(b.base, template) if b.base is not None else None
-        # Reference page of each payload: a template row (holes: the zero row) or a decoded base.
-        ref_arr: list[np.ndarray | None] = [None] * k
-        tsel = b.reftype == _REFTYPE_TEMPLATE
-        trow = np.zeros(k, dtype=np.int64)
-        if tsel.any():
-            trow[tsel] = template.rows_z(b.ref[tsel])
-        z = self.zstd
-        if z.native is not None:
-            ref_addr = np.zeros(k, dtype=np.uint64)
-            ref_addr[tsel] = template.pages_z.ctypes.data + trow[tsel] * PAGE_SIZE
-            if bases is not None:
-                bsel = b.base_pos >= 0
-                ref_addr[bsel] = bases.ctypes.data + b.base_pos[bsel] * PAGE_SIZE
-            bad = z.decode_batch(b.payload, b.off, b.length, b.method, ref_addr, out, rows)
-            if bad >= 0:
-                raise StoreCorrupt(str(self.root), f"blob {int(b.blobs[bad])}: not a valid page frame")
-        else:
-            for i in np.flatnonzero(tsel).tolist():
-                ref_arr[i] = template.pages_z[trow[i]]
-            if bases is not None:
-                for i in np.flatnonzero(b.base_pos >= 0).tolist():
-                    ref_arr[i] = bases[b.base_pos[i]]
-            payload = b.payload
-            for i, (o, n, mth, dst) in enumerate(zip(b.off.tolist(), b.length.tolist(), b.method.tolist(),
-                                                    rows.tolist())):
-                what = f"blob {int(b.blobs[i])}"
-                frame = payload[o:o + n]
-                if mth == _M_PREFIX:
-                    z.decompress_into(frame, out[dst], ref_arr[i], what)
-                elif mth == _M_ZSTD or mth == _M_XOR:
-                    z.decompress_into(frame, out[dst], None, what)
-                    if mth == _M_XOR:
-                        ra = ref_arr[i]
-                        assert ra is not None
-                        np.bitwise_xor(out[dst], ra, out=out[dst])
-                else:
-                    raise StoreCorrupt(str(self.root), f"{what}: unknown method {mth}")
-        bad_rows = page_hashes_rows(out, rows)[1] != b.check
-        if bad_rows.any():
-            blob_id = int(b.blobs[int(np.flatnonzero(bad_rows)[0])])
-            err = ChecksumMismatch(-1, f"blob {blob_id}")
-            err.blob_id = blob_id       # type: ignore[attr-defined]
-            raise err
-        return out
 
     # ------------------------------------------------------------------ release
     def discard(self, sandbox: str, page_idx: np.ndarray) -> None:

@@ -1,0 +1,196 @@
+"""Decoding blobs: copying their payloads out under the store's lock, decoding outside it.
+
+A blob is decoded from a *recipe* (one blob: the single-page fault path and the encoder's DUP
+confirmations) or a *batch* (many blobs: bulk decode for prefetch). Recipes and batches are
+read from the blob table and the arenas while the store's lock is held, and hold copies of
+the payloads, so decoding runs without the lock and a concurrent free or compaction cannot
+pull the bytes away. SDELTA bases come along (chains are one deep) and are decoded and verified
+before the pages that depend on them. Every decoded page is checked against its checksum; a
+ChecksumMismatch raised here carries the failing blob in ``blob_id`` and the store maps it to a
+page.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+from azqemu.errors import ChecksumMismatch, StoreCorrupt
+from azqemu.memory.arena import ArenaSet
+from azqemu.memory.blobtable import BlobTable
+from azqemu.memory.kinds import PAGE_SIZE, Method, RefType
+from azqemu.memory.pagehash import page_hashes_rows
+from azqemu.memory.template import TemplateImage
+from azqemu.memory.zstdlib import PageZstd
+
+_DIGEST = xxhash.xxh3_128_digest
+_ZERO_ARRAY = np.zeros(PAGE_SIZE, dtype=np.uint8)
+_ZERO_ARRAY.flags.writeable = False
+_REFTYPE_BLOB, _REFTYPE_TEMPLATE = int(RefType.BLOB), int(RefType.TEMPLATE)
+_M_ZSTD, _M_XOR, _M_PREFIX = int(Method.ZSTD), int(Method.XOR), int(Method.PREFIX)
+_TLS = threading.local()
+
+
+@dataclass
+class Recipe:
+    """Everything needed to decode one blob outside the lock."""
+
+    blob: int
+    payload: bytes
+    method: int
+    reftype: int
+    ref: int
+    check: int
+    base: Recipe | None = None
+
+
+@dataclass
+class Batch:
+    """Many blobs at once: their fields as arrays and their payloads back to back."""
+
+    blobs: np.ndarray
+    payload: bytes
+    off: np.ndarray          # u32 offset of each payload in ``payload``
+    length: np.ndarray       # u32
+    method: np.ndarray       # u8
+    reftype: np.ndarray      # u8
+    ref: np.ndarray          # int64
+    check: np.ndarray        # u64
+    base: Batch | None = None
+    base_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))   # row in base, -1
+
+
+def read_recipe(table: BlobTable, arenas: ArenaSet, blob: int, depth: int = 0) -> Recipe:
+    """Under the store's lock: copy a blob's payload and fields (and its base's) for decoding."""
+    where = str(arenas.root)
+    if not 0 <= blob < table.n:
+        raise StoreCorrupt(where, f"blob {blob} out of range")
+    key, check, offset, ref, refcount, arena, length, _dom, method, reftype = table.rows[blob].item()
+    if refcount == 0:
+        raise StoreCorrupt(where, f"reference to freed blob {blob}")
+    payload = arenas.read(arena, offset, length)
+    base = None
+    if reftype == _REFTYPE_BLOB:
+        if depth:
+            raise StoreCorrupt(where, f"blob {blob}: SDELTA chain deeper than one")
+        base = read_recipe(table, arenas, ref, depth + 1)
+    return Recipe(blob, payload, method, reftype, ref, check, base)
+
+def decode_recipe(zstd: PageZstd, r: Recipe, out: np.ndarray, template: TemplateImage) -> None:
+    """Decode one blob into ``out`` (a 4096-byte C-contiguous array) and verify it."""
+    ref_page: np.ndarray = _ZERO_ARRAY
+    if r.reftype == _REFTYPE_TEMPLATE:
+        tp = template.page(r.ref)
+        ref_page = _ZERO_ARRAY if tp is None else tp
+    elif r.reftype == _REFTYPE_BLOB:
+        assert r.base is not None
+        ref_page = _scratch()
+        decode_recipe(zstd, r.base, ref_page, template)
+    what = f"blob {r.blob}"
+    if r.method == _M_ZSTD:
+        zstd.decompress_into(r.payload, out, None, what)
+    elif r.method == _M_PREFIX:
+        zstd.decompress_into(r.payload, out, ref_page, what)
+    elif r.method == _M_XOR:
+        zstd.decompress_into(r.payload, out, None, what)
+        np.bitwise_xor(out, ref_page, out=out)
+    else:
+        raise StoreCorrupt(f"blob {r.blob}", f"unknown method {r.method}")
+    if int.from_bytes(_DIGEST(out.data)[8:], "little") != r.check:
+        raise ChecksumMismatch(-1, f"blob {r.blob}")
+
+def _scratch() -> np.ndarray:
+    """A per-thread page for SDELTA bases on the single-page path."""
+    buf = getattr(_TLS, "base", None)
+    if buf is None:
+        buf = _TLS.base = np.empty(PAGE_SIZE, dtype=np.uint8)
+    return buf
+
+
+def read_batch(table: BlobTable, arenas: ArenaSet, blobs: np.ndarray, depth: int = 0) -> Batch:
+    """Under the store's lock: the fields and payloads of many blobs (and of their SDELTA bases)."""
+    where = str(arenas.root)
+    blobs = np.asarray(blobs, dtype=np.int64)
+    if len(blobs) and (blobs.min() < 0 or blobs.max() >= table.n):
+        raise StoreCorrupt(where, "blob id out of range")
+    rows = table.rows[blobs]
+    if (rows["refcount"] == 0).any():
+        raise StoreCorrupt(where, "reference to a freed blob")
+    read = arenas.read
+    payload = b"".join([read(a, o, n) for a, o, n in zip(rows["arena"].tolist(), rows["offset"].tolist(),
+                                                         rows["length"].tolist())])
+    length = rows["length"].astype(np.uint32)
+    off = (np.cumsum(length, dtype=np.uint64) - length).astype(np.uint32)
+    batch = Batch(blobs, payload, off, length, rows["method"].copy(), rows["reftype"].copy(),
+                   rows["ref"].astype(np.int64), rows["check"].copy())
+    based = np.flatnonzero(batch.reftype == _REFTYPE_BLOB)
+    if len(based):
+        if depth:
+            raise StoreCorrupt(where, "SDELTA chain deeper than one")
+        base_ids, pos = np.unique(batch.ref[based], return_inverse=True)
+        batch.base = read_batch(table, arenas, base_ids, depth + 1)
+        batch.base_pos = np.full(len(blobs), -1, dtype=np.int64)
+        batch.base_pos[based] = pos
+    return batch
+
+
+def decode_batch(zstd: PageZstd, b: Batch, template: TemplateImage, out: np.ndarray | None = None,
+                 rows: np.ndarray | None = None) -> np.ndarray:
+    """Decode a batch into ``out[rows]`` (default: a new (k, 4096) array) and verify it.
+
+    SDELTA bases are decoded (and verified) first, once each; the per-page loop runs in C
+    when _pagecodec.so is built, else in Python; checksums are verified here either way.
+    """
+    k = len(b.blobs)
+    if out is None:
+        out = np.empty((k, PAGE_SIZE), dtype=np.uint8)
+        rows = np.arange(k, dtype=np.int64)
+    assert rows is not None
+    bases = decode_batch(zstd, b.base, template) if b.base is not None else None
+    # Reference page of each payload: a template row (holes: the zero row) or a decoded base.
+    ref_arr: list[np.ndarray | None] = [None] * k
+    tsel = b.reftype == _REFTYPE_TEMPLATE
+    trow = np.zeros(k, dtype=np.int64)
+    if tsel.any():
+        trow[tsel] = template.rows_z(b.ref[tsel])
+    z = zstd
+    if z.native is not None:
+        ref_addr = np.zeros(k, dtype=np.uint64)
+        ref_addr[tsel] = template.pages_z.ctypes.data + trow[tsel] * PAGE_SIZE
+        if bases is not None:
+            bsel = b.base_pos >= 0
+            ref_addr[bsel] = bases.ctypes.data + b.base_pos[bsel] * PAGE_SIZE
+        bad = z.decode_batch(b.payload, b.off, b.length, b.method, ref_addr, out, rows)
+        if bad >= 0:
+            raise StoreCorrupt(f"blob {int(b.blobs[bad])}", "not a valid page frame")
+    else:
+        for i in np.flatnonzero(tsel).tolist():
+            ref_arr[i] = template.pages_z[trow[i]]
+        if bases is not None:
+            for i in np.flatnonzero(b.base_pos >= 0).tolist():
+                ref_arr[i] = bases[b.base_pos[i]]
+        payload = b.payload
+        for i, (o, n, mth, dst) in enumerate(zip(b.off.tolist(), b.length.tolist(), b.method.tolist(),
+                                                rows.tolist())):
+            what = f"blob {int(b.blobs[i])}"
+            frame = payload[o:o + n]
+            if mth == _M_PREFIX:
+                z.decompress_into(frame, out[dst], ref_arr[i], what)
+            elif mth == _M_ZSTD or mth == _M_XOR:
+                z.decompress_into(frame, out[dst], None, what)
+                if mth == _M_XOR:
+                    ra = ref_arr[i]
+                    assert ra is not None
+                    np.bitwise_xor(out[dst], ra, out=out[dst])
+            else:
+                raise StoreCorrupt(what, f"unknown method {mth}")
+    bad_rows = page_hashes_rows(out, rows)[1] != b.check
+    if bad_rows.any():
+        blob_id = int(b.blobs[int(np.flatnonzero(bad_rows)[0])])
+        err = ChecksumMismatch(-1, f"blob {blob_id}")
+        err.blob_id = blob_id       # type: ignore[attr-defined]
+        raise err
+    return out
