@@ -29,6 +29,8 @@ POLL_FIRST_S = 0.002
 POLL_MAX_S = 0.05
 # libvirt's agent calls take whole seconds as their timeout.
 CALL_TIMEOUT_S = 10
+# How long exec waits for an agent that libvirt reported unresponsive before giving up.
+AGENT_RETRY_S = 15.0
 # Output is captured by qemu-ga in guest memory; bound what we accept from an untrusted guest.
 MAX_OUTPUT_BYTES = 16 << 20
 
@@ -98,13 +100,28 @@ class GuestAgent:
             args["env"] = list(env)
         start = time.monotonic()
         try:
-            ret = self.call("guest-exec", **args)
+            try:
+                ret = self.call("guest-exec", **args)
+            except ExecError:
+                raise
+            except AgentError:
+                # libvirt answers "not responding" when its guest-sync handshake fails, before
+                # the command is sent (seen right after a clone resumes): wait for the agent,
+                # then send the command once more.
+                self.wait_ready(AGENT_RETRY_S)
+                ret = self.call("guest-exec", **args)
         except ExecError as exc:
             raise ExecError(f"cannot run {argv[0]!r} in {self.domain_name!r}: {exc}", exc.error_class) from exc
         pid = int(ret["pid"])
         poll = POLL_FIRST_S
         while True:
-            st = self.call("guest-exec-status", pid=pid)
+            try:
+                st = self.call("guest-exec-status", pid=pid)
+            except ExecError:
+                raise
+            except AgentError:
+                self.wait_ready(AGENT_RETRY_S)  # the status query is idempotent: ask again
+                continue
             if st.get("exited"):
                 break
             if time.monotonic() - start > timeout_s:

@@ -45,6 +45,8 @@ class SandboxRecord:
     uuid: str
     created_at: float
     clone_s: float = 0.0      # request -> guest agent answering
+    policy: str = "manual"    # azqemu.sched.policy
+    grace_s: float = 1.0      # LLM wait before the policy acts
 
 
 # Called with (domain, qemu pid, identity, template) while the clone is paused, before its
@@ -115,7 +117,8 @@ def _send_devstate(devstate: Path, sock_path: Path, timeout_s: float) -> None:
 
 def clone_one(host: Host, tmpl: TemplateMeta, name: str, *, sharing_domain: str, ram_mode: str,
               fill: RamFiller, repo: SandboxRepo, env: dict[str, str] | None = None,
-              ram_backing: str = "memfd", wait_agent: bool = True) -> SandboxRecord:
+              ram_backing: str = "memfd", wait_agent: bool = True, policy: str = "manual",
+              grace_s: float = 1.0) -> SandboxRecord:
     """Start one clone of ``tmpl``; on any failure nothing of it is left behind."""
     validate_name(name, "sandbox name")
     validate_name(sharing_domain, "sharing domain")
@@ -152,7 +155,7 @@ def clone_one(host: Host, tmpl: TemplateMeta, name: str, *, sharing_domain: str,
             GuestAgent(name, dom.agent_command).wait_ready(AGENT_TIMEOUT_S)
         rec = SandboxRecord(name=name, template=tmpl.name, sharing_domain=sharing_domain,
                             ram_mode=ram_mode, uuid=ident.uuid, created_at=time.time(),
-                            clone_s=time.monotonic() - t0)
+                            clone_s=time.monotonic() - t0, policy=policy, grace_s=grace_s)
         repo.save(rec)
         return rec
     except BaseException:

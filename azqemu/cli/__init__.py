@@ -31,6 +31,7 @@ COMMANDS: dict[str, str] = {
     "resume": "azqemu.cli.sandbox_cmds:resume",
     "compress": "azqemu.cli.sandbox_cmds:compress",
     "destroy": "azqemu.cli.sandbox_cmds:destroy",
+    "phase": "azqemu.cli.sandbox_cmds:phase",
     "list": "azqemu.cli.sandbox_cmds:list_",
     "dominfo": "azqemu.cli.sandbox_cmds:dominfo",
     "daemon": "azqemu.cli.sandbox_cmds:daemon",

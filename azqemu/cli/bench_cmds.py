@@ -54,3 +54,29 @@ def bench_clone(count: int, template_name: str, ram_mode: str, as_json: bool) ->
         click.echo(f"{'clones':>8} {'median s':>9} {'p95 s':>7} {'total s':>8} mode")
         click.echo(f"{result['clones']:>8} {result['per_clone_s']['median']:>9.3f} "
                    f"{result['per_clone_s']['p95']:>7.3f} {result['total_s']:>8.2f} {result['ram_mode']}")
+
+
+@bench.command("restore")
+@click.option("--hot-mib", default=100, show_default=True, type=click.IntRange(min=1),
+              help="Working set the repeated tool call touches (the hot set of the resume).")
+@click.option("--template", "template_name", default=BENCH_TEMPLATE, show_default=True,
+              help="Template to clone (made from the guest image if missing).")
+@click.option("--json", "as_json", is_flag=True)
+def bench_restore(hot_mib: int, template_name: str, as_json: bool) -> None:
+    """Compress and resume a lazy clone around a repeated tool call: per-fault service time,
+    the guest's stall per fault, prefetch throughput, resume time, faults removed by prefetch."""
+    from azqemu.bench import restore_bench
+
+    def progress(msg: str) -> None:
+        if not as_json:
+            click.echo(msg, err=True)
+
+    with ensure_daemon():
+        c = Client()
+        ensure_template(c, template_name)
+        result = restore_bench.run(c, template=template_name, hot_mib=hot_mib, progress=progress)
+    result["targets_met"] = restore_bench.targets_met(result)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    else:
+        click.echo(restore_bench.format_table(result))

@@ -89,12 +89,18 @@ def template_delete(name: str) -> None:
               show_default=True,
               help="How RAM is filled: copied (eager), served on first touch (lazy), or a "
                    "private mapping of the template (cow, for Linux's KSM/zram).")
+@click.option("--policy", default="manual", show_default=True,
+              help="Memory policy: manual, none, none-cow, linux, agentzip, agentzip-no-prefetch, "
+                   "agentzip-no-sibling, agentzip-pressure (see docs/policies.md).")
+@click.option("--grace", "grace_s", default=1.0, show_default=True, type=float,
+              help="Seconds of LLM wait before the policy compresses or reclaims.")
 @click.option("--json", "as_json", is_flag=True)
 def clone(template_name: str, count: int, name_prefix: str | None, sharing_domain: str, ram_mode: str,
-          as_json: bool) -> None:
+          policy: str, grace_s: float, as_json: bool) -> None:
     """Start N sandboxes cloned from TEMPLATE."""
     rows = Client().call("clone", template=template_name, count=count, name_prefix=name_prefix,
-                         sharing_domain=sharing_domain, ram_mode=None if ram_mode == "auto" else ram_mode)
+                         sharing_domain=sharing_domain, ram_mode=None if ram_mode == "auto" else ram_mode,
+                         policy=policy, grace_s=grace_s)
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
@@ -156,6 +162,16 @@ def compress(name: str, as_json: bool) -> None:
     click.echo(f"{name}: {r['resident_pages']} resident pages -> {r['stored_pages']} stored "
                f"({_size(r['stored_bytes'])}), {r['raw_pages']} kept resident; {kinds}; "
                f"{r['total_s'] * 1000:.0f} ms" + (" (cancelled by a resume)" if r["cancelled"] else ""))
+
+
+@click.command()
+@click.argument("name")
+@click.argument("phase", type=click.Choice(["wait", "tool"]))
+def phase(name: str, phase: str) -> None:
+    """Tell azqemu that sandbox NAME now waits for its LLM, or that a tool call is coming."""
+    r = Client().call("phase", name=name, phase=phase)
+    extra = f" (resumed in {r['resume_s'] * 1000:.1f} ms)" if "resume_s" in r else ""
+    click.echo(f"{name}: {phase}{extra}")
 
 
 @click.command("list")

@@ -18,6 +18,7 @@ import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from azqemu import config as config_mod
@@ -43,6 +44,10 @@ from azqemu.sandboxes import (
     eager_fill,
 )
 from azqemu.sandboxmem import SandboxMemory
+from azqemu.sched import policy as policy_mod
+from azqemu.sched.agent_channel import AgentMessage
+from azqemu.sched.agentlink import AgentLinks
+from azqemu.sched.scheduler import SchedState, Scheduler
 from azqemu.templates import TemplateMeta, TemplateRepo, create_template, validate_name, warmup_from_cli
 from azqemu.virt import ramfile
 from azqemu.virt.host import Domain, Host
@@ -71,10 +76,21 @@ class Manager:
         self._store_lock = threading.Lock()
         self._template_images: dict[str, TemplateImage] = {}
         self.mem: dict[str, SandboxMemory] = {}
+        self.sched: dict[str, SchedState] = {}
+        # Sandboxes azqemu itself paused (compressed): a tool call resumes them; a sandbox the
+        # user paused stays paused and exec refuses it.
+        self.paused_by_azq: set[str] = set()
         mode, why = doctor.restore_mode()
         self.lazy_available = mode == "lazy"
         log.info("restore mode: %s (%s)", mode, why)
         self.reconcile()
+        self.scheduler = Scheduler(self)
+        self.agent_links = AgentLinks(self._agent_sockets, self._on_agent_message)
+
+    def start(self) -> None:
+        """Start the background work: the scheduler and the in-guest agent links."""
+        self.scheduler.start()
+        self.agent_links.start()
 
     # -- bookkeeping ---------------------------------------------------------------------
     def lock(self, name: str) -> threading.RLock:
@@ -111,7 +127,13 @@ class Manager:
                                         lazy_clone=meta.get("ram-mode") == "lazy")
                 except AzqemuError as exc:
                     log.error("cannot reattach the memory of %s: %s", name, exc)
+            if self.sandboxes.path(name).exists():
+                rec = self.sandboxes.get(name)
+                self.sched[name] = SchedState(policy_mod.get(rec.policy), grace_s=rec.grace_s)
+                if dom.state() == "paused" and name in self.mem and self.mem[name].compressed:
+                    self.paused_by_azq.add(name)
             if not self.sandboxes.path(name).exists():
+                self.sched[name] = SchedState(policy_mod.get("manual"))
                 self.sandboxes.save(SandboxRecord(
                     name=name, template=meta.get("template", "?"),
                     sharing_domain=meta.get("sharing-domain", DEFAULT_SHARING_DOMAIN),
@@ -150,6 +172,27 @@ class Manager:
             mem.attach()
         self.mem[name] = mem
         return mem
+
+    def _agent_sockets(self) -> dict[str, Path]:
+        return {n: self.cfg.run_dir / "vm" / n / "azq-agent.sock" for n in list(self.sched)}
+
+    def _on_agent_message(self, name: str, msg: AgentMessage) -> None:
+        st = self.sched.get(name)
+        if st is not None:
+            st.tracker.agent_event(msg.phase)
+
+    def qemu_pid(self, name: str) -> int | None:
+        try:
+            return self.host.get_domain(name).qemu_pid()
+        except AzqemuError:
+            return None
+
+    def resident_bytes(self, name: str) -> int | None:
+        try:
+            rec = self._record(name)
+            return self._resident_bytes(self.host.get_domain(name), rec.ram_mode)
+        except AzqemuError:
+            return None
 
     def _release_memory(self, name: str) -> None:
         mem = self.mem.pop(name, None)
@@ -199,7 +242,9 @@ class Manager:
 
     def op_clone(self, template: str, count: int = 1, name_prefix: str | None = None,
                  sharing_domain: str = DEFAULT_SHARING_DOMAIN, names: list[str] | None = None,
-                 ram_mode: str | None = None) -> list[dict[str, Any]]:
+                 ram_mode: str | None = None, policy: str = "manual",
+                 grace_s: float = policy_mod.DEFAULT_GRACE_S) -> list[dict[str, Any]]:
+        pol = policy_mod.get(policy)
         tmpl = self.templates.get(template)
         count = int(count)
         if names:
@@ -218,7 +263,9 @@ class Manager:
                 i += 1
         for n in names:
             validate_name(n, "sandbox name")
-        mode = ram_mode or ("lazy" if self.lazy_available else "eager")
+        mode = ram_mode or pol.clone_mode
+        if mode == "lazy" and not self.lazy_available and not ram_mode:
+            mode = "eager"  # the policy's choice where lazy clones are impossible (doctor says why)
         if mode not in ("eager", "lazy", "cow"):
             raise ConfigError(f"unknown RAM mode {mode!r} (eager, lazy, cow)")
         if mode == "lazy" and not self.lazy_available:
@@ -227,14 +274,17 @@ class Manager:
         fills = {"eager": eager_fill, "cow": cow_fill}
 
         def lazy_fill(_dom: Domain, _pid: int, ident: Identity, t: TemplateMeta) -> None:
-            self._attach_memory(ident.name, sharing_domain, t, lazy_clone=True)
+            self._attach_memory(ident.name, sharing_domain, t, lazy_clone=True, use_siblings=pol.use_siblings)
 
         def one(n: str) -> SandboxRecord:
             with self.lock(n):
                 try:
-                    return clone_one(self.host, tmpl, n, sharing_domain=sharing_domain, ram_mode=mode,
-                                     fill=fills.get(mode, lazy_fill), repo=self.sandboxes, env=env,
-                                     ram_backing="file-private" if mode == "cow" else "memfd")
+                    rec = clone_one(self.host, tmpl, n, sharing_domain=sharing_domain, ram_mode=mode,
+                                    fill=fills.get(mode, lazy_fill), repo=self.sandboxes, env=env,
+                                    ram_backing="file-private" if mode == "cow" else "memfd",
+                                    policy=pol.name, grace_s=float(grace_s))
+                    self.sched[n] = SchedState(pol, grace_s=float(grace_s))
+                    return rec
                 except BaseException:
                     mem = self.mem.pop(n, None)
                     if mem is not None:
@@ -267,21 +317,90 @@ class Manager:
                 stdin_b64: str | None = None) -> dict[str, Any]:
         if not argv:
             raise ConfigError("no command given (azq exec SANDBOX -- CMD ...)")
-        dom = self._domain(name)
-        state = dom.state()
-        mem = self.mem.get(name)
-        if state == "paused" and mem is not None and mem.compressed:
-            with self.lock(name):
-                self._resume_locked(name, dom)
-            state = dom.state()
-        if state != "running":
-            raise DomainStateError(name, state, "running")
-        agent = GuestAgent(name, dom.agent_command)
-        stdin = base64.b64decode(stdin_b64) if stdin_b64 else None
         t0 = time.monotonic()
-        res = agent.exec(argv, timeout_s=float(timeout_s), stdin=stdin)
+        dom = self._domain(name)
+        st = self.sched.get(name)
+        if st is not None:
+            st.tracker.exec_started()  # from now on the scheduler leaves this sandbox alone
+        try:
+            mem = self.mem.get(name)
+            if mem is not None:
+                mem.cancel()  # a compression in progress stops at its next step
+            resume: dict[str, Any] = {}
+            if name in self.paused_by_azq:
+                with self.lock(name):
+                    if name in self.paused_by_azq:
+                        resume = self._resume_locked(name, dom, prefetch=st.policy.prefetch if st else True)
+            state = dom.state()
+            if state != "running":
+                raise DomainStateError(name, state, "running")
+            agent = GuestAgent(name, dom.agent_command)
+            stdin = base64.b64decode(stdin_b64) if stdin_b64 else None
+            res = agent.exec(argv, timeout_s=float(timeout_s), stdin=stdin)
+        finally:
+            if st is not None:
+                st.tracker.exec_ended()
         return {"exit_code": res.exit_code, "stdout_b64": base64.b64encode(res.stdout).decode(),
-                "stderr_b64": base64.b64encode(res.stderr).decode(), "duration_s": time.monotonic() - t0}
+                "stderr_b64": base64.b64encode(res.stderr).decode(), "duration_s": time.monotonic() - t0,
+                "resume_s": resume.get("resume_s", 0.0), "prefetched_pages": resume.get("prefetched_pages", 0)}
+
+    def op_phase(self, name: str, phase: str) -> dict[str, Any]:
+        """An orchestrator's hint: 'wait' (the agent waits for its LLM) or 'tool' (a tool call
+        is coming: a compressed sandbox is resumed with its hot set now, ahead of it)."""
+        self._record(name)
+        st = self.sched.get(name)
+        if st is None:
+            raise ConfigError(f"{name!r} has no scheduling state")
+        try:
+            st.tracker.hint(phase)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        out: dict[str, Any] = {"name": name, "phase": phase}
+        if phase == "tool" and name in self.paused_by_azq:
+            mem = self.mem.get(name)
+            if mem is not None:
+                mem.cancel()
+            with self.lock(name):
+                if name in self.paused_by_azq:
+                    out.update(self._resume_locked(name, self._domain(name), prefetch=st.policy.prefetch))
+        return out
+
+    def op_set_policy(self, names: list[str], policy: str, grace_s: float | None = None,
+                      pressure_budget_bytes: int | None = None) -> None:
+        pol = policy_mod.get(policy)
+        for n in names:
+            rec = self._record(n)
+            rec.policy = pol.name
+            if grace_s is not None:
+                rec.grace_s = float(grace_s)
+            self.sandboxes.save(rec)
+            self.sched[n] = SchedState(pol, grace_s=rec.grace_s)
+        if pressure_budget_bytes is not None:
+            self.scheduler.pressure_budget_bytes = int(pressure_budget_bytes) or None
+
+    # -- what the scheduler calls ------------------------------------------------------------
+    def compress_if_idle(self, name: str, st: SchedState) -> None:
+        """Compress a sandbox that is still waiting for its LLM (the scheduler's call)."""
+        with self.lock(name):
+            if st.tracker.in_tool_call() or st.tracker.current().phase != "wait":
+                return
+            if name not in self.sched:
+                return
+            self._compress_locked(name)
+
+    def compress_and_run_on(self, name: str) -> None:
+        """The pressure ablation: compress, then let the sandbox run on, served lazily."""
+        with self.lock(name):
+            self._compress_locked(name)
+            self._resume_locked(name, self._domain(name), prefetch=False)
+
+    def pageout(self, name: str) -> None:
+        """The linux policy's proactive reclaim: push an idle sandbox's RAM out to zram."""
+        from azqemu.bench.linux_config import pageout
+
+        pid = self.qemu_pid(name)
+        if pid is not None:
+            pageout(pid, backing="ram.img")
 
     def op_pause(self, name: str) -> None:
         with self.lock(name):
@@ -308,31 +427,38 @@ class Manager:
                        prefetch_mib_s=st.prefetch_mib_s)
         if dom.state() == "paused":
             dom.resume()
+        self.paused_by_azq.discard(name)
         out["resume_s"] = time.perf_counter() - t0
         return out
 
     def op_compress(self, name: str) -> dict[str, Any]:
         """Pause the sandbox, encode its resident RAM into the store, punch it; stays paused."""
         with self.lock(name):
-            rec = self._record(name)
-            dom = self._domain(name)
-            if not self.lazy_available:
-                raise ConfigError(f"cannot compress {name!r}: {doctor.restore_mode()[1]}")
-            if rec.ram_mode == "cow":
-                raise ConfigError(f"cannot compress {name!r}: copy-on-write clones are left to Linux "
-                                  "(KSM, zram); clone with --mode lazy or eager")
-            if dom.state() == "running":
-                dom.suspend()
-            mem = self.mem.get(name)
-            if mem is None:
-                mem = self._attach_memory(name, rec.sharing_domain, self.templates.get(rec.template),
-                                          lazy_clone=rec.ram_mode == "lazy")
-            st = mem.compress()
-            return {"name": name, "resident_pages": st.resident_pages, "stored_pages": st.stored_pages,
-                    "raw_pages": st.raw_pages, "pages": st.pages_by_kind, "bytes": st.bytes_by_kind,
-                    "hot_pages": st.hot_pages, "scan_s": st.scan_s, "encode_s": st.encode_s,
-                    "punch_s": st.punch_s, "total_s": st.total_s, "cancelled": st.cancelled,
-                    "stored_bytes": mem.stored_bytes(), "resident_bytes": mem.resident_bytes()}
+            return self._compress_locked(name)
+
+    def _compress_locked(self, name: str) -> dict[str, Any]:
+        """The caller holds the sandbox's lock."""
+        rec = self._record(name)
+        dom = self._domain(name)
+        if not self.lazy_available:
+            raise ConfigError(f"cannot compress {name!r}: {doctor.restore_mode()[1]}")
+        if rec.ram_mode == "cow":
+            raise ConfigError(f"cannot compress {name!r}: copy-on-write clones are left to Linux "
+                              "(KSM, zram); clone with --mode lazy or eager")
+        if dom.state() == "running":
+            dom.suspend()
+            self.paused_by_azq.add(name)
+        mem = self.mem.get(name)
+        if mem is None:
+            mem = self._attach_memory(name, rec.sharing_domain, self.templates.get(rec.template),
+                                      lazy_clone=rec.ram_mode == "lazy",
+                                      use_siblings=policy_mod.get(rec.policy).use_siblings)
+        st = mem.compress()
+        return {"name": name, "resident_pages": st.resident_pages, "stored_pages": st.stored_pages,
+                "raw_pages": st.raw_pages, "pages": st.pages_by_kind, "bytes": st.bytes_by_kind,
+                "hot_pages": st.hot_pages, "scan_s": st.scan_s, "encode_s": st.encode_s,
+                "punch_s": st.punch_s, "total_s": st.total_s, "cancelled": st.cancelled,
+                "stored_bytes": mem.stored_bytes(), "resident_bytes": mem.resident_bytes()}
 
     def op_destroy(self, name: str) -> None:
         with self.lock(name):
@@ -341,6 +467,8 @@ class Manager:
                 # Unregister before the domain goes: a QEMU blocked on an unserved fault
                 # makes libvirt's destroy hang for seconds.
                 mem.cancel()
+            self.sched.pop(name, None)
+            self.paused_by_azq.discard(name)
             self._release_memory(name)
             destroy(self.host, self.sandboxes, name)
 
@@ -396,6 +524,8 @@ class Manager:
     def close(self) -> None:
         """Stop serving faults without unregistering: QEMU keeps its uffd, so a compressed
         guest waits for the next manager instead of reading zero pages."""
+        self.scheduler.stop()
+        self.agent_links.stop()
         for mem in list(self.mem.values()):
             mem.handler.stop()
         if self._store is not None:

@@ -105,6 +105,7 @@ def serve(socket_path: Path | None = None) -> None:
         os.umask(old_umask)
     os.chmod(path, 0o600)
     server.manager = manager
+    manager.start()
     stop = threading.Event()
 
     def _stop(_sig: int, _frame: object) -> None:

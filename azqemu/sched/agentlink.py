@@ -1,0 +1,98 @@
+"""The manager's end of every sandbox's in-guest agent channel (org.azqemu.agent.0).
+
+libvirt binds each sandbox's channel to a unix socket in its socket directory; one thread
+here connects to all of them, reads what the guests write, validates it with
+``agent_channel.AgentChannel`` (bounded, rate limited, strict schema) and turns accepted
+messages into phase observations of that same sandbox only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import selectors
+import socket
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from azqemu.sched.agent_channel import AgentChannel, AgentMessage
+
+log = logging.getLogger(__name__)
+
+READ_BYTES = 4096
+RESCAN_S = 1.0
+
+
+class AgentLinks:
+    """Connects to each sandbox's agent socket; ``on_message(sandbox, msg)`` per message."""
+
+    def __init__(self, sockets: Callable[[], dict[str, Path]],
+                 on_message: Callable[[str, AgentMessage], None]) -> None:
+        self._sockets = sockets
+        self._on_message = on_message
+        self._sel = selectors.DefaultSelector()
+        self._conns: dict[str, tuple[socket.socket, AgentChannel]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="azq-agent-links", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        for s, _ in self._conns.values():
+            s.close()
+        self._sel.close()
+
+    def stats(self, sandbox: str) -> dict[str, object] | None:
+        conn = self._conns.get(sandbox)
+        return conn[1].stats.as_dict() if conn else None
+
+    def _rescan(self) -> None:
+        wanted = self._sockets()
+        for name in list(self._conns):
+            if name not in wanted:
+                self._drop(name)
+        for name, path in wanted.items():
+            if name in self._conns or not path.exists():
+                continue
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.setblocking(False)
+            try:
+                s.connect(str(path))
+            except OSError:
+                s.close()
+                continue
+            self._conns[name] = (s, AgentChannel(name))
+            self._sel.register(s, selectors.EVENT_READ, name)
+
+    def _drop(self, name: str) -> None:
+        s, _ = self._conns.pop(name)
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(s)
+        s.close()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._rescan()
+            except Exception:  # noqa: BLE001 - keep listening to the others
+                log.exception("agent link rescan failed")
+            for key, _ in self._sel.select(timeout=RESCAN_S) if self._conns else []:
+                name = key.data
+                s, ch = self._conns[name]
+                try:
+                    data = s.recv(READ_BYTES)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    data = b""
+                if not data:
+                    self._drop(name)
+                    continue
+                for msg in ch.feed(data):
+                    self._on_message(name, msg)
+            if not self._conns:
+                self._stop.wait(RESCAN_S)

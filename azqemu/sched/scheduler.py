@@ -1,0 +1,144 @@
+"""The scheduler: acts on phases, per sandbox, as its policy says (runs in the daemon).
+
+Every tick it looks at each sandbox's phase (``phases.PhaseTracker``) and policy
+(``policy.Policy``): a sandbox of a compressing policy that has waited for its LLM longer
+than the grace period is compressed (in a single worker, so two compressions never fight
+for the two cores of a small host); a ``linux`` sandbox gets its RAM paged out to zram
+once per wait; the ``agentzip-pressure`` ablation ignores phases and compresses the largest
+sandboxes while their memory is over a budget. A tool call never waits for a compression:
+``azq exec`` cancels a running one and resumes the sandbox first (the manager does that).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import psutil
+
+from azqemu.sched.phases import WAIT, PhaseTracker
+from azqemu.sched.policy import DEFAULT_GRACE_S, Policy
+
+if TYPE_CHECKING:
+    from azqemu.daemon.manager import Manager
+
+log = logging.getLogger(__name__)
+
+TICK_S = 0.1
+HOST_SAMPLE_S = 1.0
+
+
+@dataclass
+class SchedState:
+    """What the scheduler knows of one sandbox."""
+
+    policy: Policy
+    grace_s: float = DEFAULT_GRACE_S
+    tracker: PhaseTracker = field(default_factory=PhaseTracker)
+    acted_on_wait_s: float = -1.0      # since_s of the wait already acted on
+    pending: Future[object] | None = None
+    cpu_prev: tuple[float, float] | None = None   # (monotonic, QEMU cpu seconds)
+
+
+class Scheduler:
+    def __init__(self, manager: Manager, tick_s: float = TICK_S) -> None:
+        self.m = manager
+        self.tick_s = tick_s
+        self.pressure_budget_bytes: int | None = None
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="azq-compress")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="azq-scheduler", daemon=True)
+        self._last_host_sample = 0.0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._worker.shutdown(wait=True, cancel_futures=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.tick_s):
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001 - the scheduler must outlive one bad tick
+                log.exception("scheduler tick failed")
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        sample_host = now - self._last_host_sample >= HOST_SAMPLE_S
+        if sample_host:
+            self._last_host_sample = now
+        for name, st in list(self.m.sched.items()):
+            if sample_host:
+                self._sample_cpu(name, st, now)
+            ph = st.tracker.current()
+            waited = ph.phase == WAIT and now - ph.since_s >= st.grace_s
+            if not waited or st.acted_on_wait_s == ph.since_s or st.pending is not None:
+                continue
+            if st.policy.compress_on_wait:
+                st.acted_on_wait_s = ph.since_s
+                st.pending = self._worker.submit(self._compress, name, st, ph.since_s)
+            elif st.policy.linux_reclaim:
+                st.acted_on_wait_s = ph.since_s
+                st.pending = self._worker.submit(self._pageout, name, st)
+        if self.pressure_budget_bytes is not None:
+            self._pressure()
+
+    def _sample_cpu(self, name: str, st: SchedState, now: float) -> None:
+        pid = self.m.qemu_pid(name)
+        if pid is None:
+            return
+        try:
+            t = psutil.Process(pid).cpu_times()
+        except psutil.Error:
+            return
+        cpu = t.user + t.system
+        if st.cpu_prev is not None and now > st.cpu_prev[0]:
+            st.tracker.host_sample((cpu - st.cpu_prev[1]) / (now - st.cpu_prev[0]))
+        st.cpu_prev = (now, cpu)
+
+    def _compress(self, name: str, st: SchedState, wait_since_s: float) -> None:
+        try:
+            ph = st.tracker.current()
+            if ph.phase == WAIT and ph.since_s == wait_since_s:
+                self.m.compress_if_idle(name, st)
+        except Exception as exc:  # noqa: BLE001 - reported, the sandbox stays as it is
+            log.warning("compressing %s failed: %s", name, exc)
+        finally:
+            st.pending = None
+
+    def _pageout(self, name: str, st: SchedState) -> None:
+        try:
+            self.m.pageout(name)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("paging out %s failed: %s", name, exc)
+        finally:
+            st.pending = None
+
+    def _pressure(self) -> None:
+        """agentzip-pressure: over budget, compress the largest sandbox, phases ignored."""
+        budget = self.pressure_budget_bytes or 0
+        cands = [(name, st) for name, st in self.m.sched.items() if st.policy.pressure]
+        if not cands:
+            return
+        sizes = {name: self.m.resident_bytes(name) or 0 for name, _ in cands}
+        if sum(sizes.values()) <= budget:
+            return
+        for name, st in sorted(cands, key=lambda c: -sizes[c[0]]):
+            if st.pending is None and sizes[name] > 0:
+                st.pending = self._worker.submit(self._compress_run_on, name, st)
+                return
+
+    def _compress_run_on(self, name: str, st: SchedState) -> None:
+        try:
+            self.m.compress_and_run_on(name)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("pressure compression of %s failed: %s", name, exc)
+        finally:
+            st.pending = None
