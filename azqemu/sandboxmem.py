@@ -74,6 +74,8 @@ class ResumeStats:
     prefetched_pages: int = 0
     prefetch_s: float = 0.0
     prefetch_mib_s: float = 0.0
+    decode_s: float = 0.0      # of prefetch_s: pages decoded from the store
+    copy_s: float = 0.0        # of prefetch_s: UFFDIO_COPY into QEMU
     total_s: float = 0.0
 
 
@@ -251,6 +253,7 @@ class SandboxMemory:
                     st.prefetched_pages = r.pages_copied
                     st.prefetch_s = r.elapsed_s
                     st.prefetch_mib_s = r.mib_s
+                    st.decode_s, st.copy_s = r.decode_s, r.copy_s
             self.compressed = False
             st.total_s = time.perf_counter() - t0
             self.restore_s_total += st.total_s
@@ -288,6 +291,5 @@ class SandboxMemory:
             counters.pop(k)
         return {"name": self.name, "compressed": self.compressed, "registered": self.registered,
                 "handler": counters, "service_us": service,
-                "hot_pages": int(len(self.handler.hot_pages(self._block_index))),
                 "last_compress": asdict(self.last_compress), "last_resume": asdict(self.last_resume),
                 "compress_s_total": self.compress_s_total, "restore_s_total": self.restore_s_total}

@@ -1,0 +1,71 @@
+"""``azq bench restore`` end to end at a small size: the JSON contract and figures that agree.
+
+Checks the keys nightly tooling reads (DESIGN.md, "Figures the benchmarks print") and that
+the numbers are positive and consistent with each other, not the performance targets (those
+are the benchmark's to report: tests/perf/test_restore_bench.py).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from azqemu.bench.restore_bench import CLONE_PREFIX
+from azqemu.daemon.client import Client
+from azqemu.doctor import restore_mode
+
+pytestmark = pytest.mark.vm
+HOT_MIB = 16
+PAGES_PER_MIB = 256
+
+
+@pytest.fixture(autouse=True)
+def _needs_lazy() -> None:
+    mode, why = restore_mode()
+    if mode != "lazy":
+        pytest.skip(f"no userfaultfd export here: {why}")
+
+
+def test_bench_restore_json_contract_and_consistent_figures(azq, template: str) -> None:
+    r = azq("bench", "restore", "--hot-mib", str(HOT_MIB), "--template", template, "--json", timeout=900)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+
+    for key in ("fault_service_us", "fault_stall_us"):
+        assert {"median", "p99"} <= res[key].keys()
+        assert 0 < res[key]["median"] <= res[key]["p99"], (key, res[key])
+    assert res["prefetch_mib_s"] > 0
+    assert res["resume_s"] > 0
+    faults = res["faults_after_resume"]
+    assert set(faults) >= {"with_prefetch", "without_prefetch"}
+    assert all(isinstance(faults[k], int) for k in ("with_prefetch", "without_prefetch"))
+    # Without prefetch every page of the working set comes back through a fault.
+    assert faults["without_prefetch"] >= HOT_MIB * PAGES_PER_MIB
+    assert 0 <= faults["with_prefetch"] < faults["without_prefetch"]
+    assert res["faults_removed_fraction"] == pytest.approx(
+        1 - faults["with_prefetch"] / faults["without_prefetch"])
+    # The prefetched hot set holds the working set; service samples cover the faults.
+    assert res["prefetched_pages"] >= HOT_MIB * PAGES_PER_MIB
+    assert res["fault_service_us"]["samples"] >= HOT_MIB * PAGES_PER_MIB
+    assert res["fault_stall_us"]["pages"] == HOT_MIB * PAGES_PER_MIB
+    assert res["handler_errors"] == 0
+    assert set(res["targets_met"]) >= {"fault_service_us.median", "prefetch_mib_s", "resume_s"}
+    # Everything the benchmark made is gone.
+    assert not [s["name"] for s in Client().call("list") if s["name"].startswith(CLONE_PREFIX)]
+
+
+def test_bench_restore_table(azq, template: str) -> None:
+    r = azq("bench", "restore", "--hot-mib", "4", "--template", template, timeout=900)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].split()[:2] == ["figure", "measured"]
+    assert any(line.startswith("faults removed by prefetch (%)") for line in lines)
+
+
+def test_bench_restore_refuses_a_working_set_larger_than_the_guest(azq, template: str) -> None:
+    r = azq("bench", "restore", "--hot-mib", "100000", "--template", template, "--json")
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        f"azq: --hot-mib 100000 out of range for template '{template}' (512 MiB guest): 1-256"]
+    assert not [s["name"] for s in Client().call("list") if s["name"].startswith(CLONE_PREFIX)]
