@@ -613,6 +613,13 @@ class PageStore:
         self.close()
 
     def _load(self, path: Path, arena_bytes: int) -> None:
+        try:
+            self._load_checked(path, arena_bytes)
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            # The file passed its checksum, so this is a writer's bug or a crafted file.
+            raise StoreCorrupt(str(path), f"malformed metadata: {type(err).__name__}: {err}") from err
+
+    def _load_checked(self, path: Path, arena_bytes: int) -> None:
         meta, body = read_store(path)
         bad = StoreCorrupt
         try:

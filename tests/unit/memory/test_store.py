@@ -331,3 +331,18 @@ def test_restore_store_source_adapter(store, small_set, small_template) -> None:
         src.fill(missing * PAGE_SIZE, memoryview(buf))
     with pytest.raises(errors_mod.PageUnavailable):
         src.fill_pages(np.array([int(stored[0]), missing]) * PAGE_SIZE, memoryview(bytearray(2 * PAGE_SIZE)))
+
+
+def test_malformed_metadata_with_valid_checksum_refused(flushed, small_template) -> None:
+    """A store file whose checksum is right but whose contents are nonsense is still refused."""
+    from azqemu.memory.persist import read_store, write_store
+    meta, body = read_store(flushed / STORE_FILE)
+    meta["arenas"] = [{"id": "zero", "used": None, "live": 1}]
+    write_store(flushed / STORE_FILE, meta, [bytes(body)])
+    with pytest.raises(StoreCorrupt, match="malformed"):
+        PageStore(flushed, templates=(small_template,))
+    meta["arenas"] = []
+    meta["n_blobs"] = 10 ** 12
+    write_store(flushed / STORE_FILE, meta, [bytes(body)])
+    with pytest.raises(StoreCorrupt, match="blob count"):
+        PageStore(flushed, templates=(small_template,))
