@@ -283,7 +283,7 @@ class SandboxMemory:
         service: dict[str, float | int] = {"samples": int(len(t_ns))}
         if len(t_ns):
             t_us = t_ns / 1e3
-            service.update(median=float(np.median(t_us)), p90=float(np.percentile(t_us, 90)),
+            service.update(min=float(t_us.min()), median=float(np.median(t_us)), p90=float(np.percentile(t_us, 90)),
                            p99=float(np.percentile(t_us, 99)), max=float(t_us.max()),
                            mean=float(t_us.mean()))
         counters = asdict(h)
