@@ -368,11 +368,12 @@ class PageStore:
             return np.where(found, kind, int(Kind.RAW)).astype(np.uint8)
 
     # ------------------------------------------------------------------ decode
-    def _page_buf(self) -> np.ndarray:
-        buf = getattr(self._tls, "page", None)
-        if buf is None:
-            buf = self._tls.page = np.empty(PAGE_SIZE, dtype=np.uint8)
-        return buf
+    def _page_buf(self) -> tuple[np.ndarray, int]:
+        pair = getattr(self._tls, "page", None)
+        if pair is None:
+            buf = np.empty(PAGE_SIZE, dtype=np.uint8)
+            pair = self._tls.page = (buf, buf.ctypes.data)
+        return pair
 
     def decode_page_into(self, sandbox: str, page_idx: int, out: Any) -> None:
         """Decode one page into ``out`` (a writable 4096-byte buffer), verified first.
@@ -411,9 +412,9 @@ class PageStore:
                 raise ChecksumMismatch(page_idx, "template page")
             out[:PAGE_SIZE] = src
             return
-        buf = self._page_buf()
+        buf, buf_addr = self._page_buf()
         try:
-            decode_recipe(self.zstd, recipe, buf, template)
+            decode_recipe(self.zstd, recipe, buf, template, buf_addr)
         except ChecksumMismatch as err:
             raise ChecksumMismatch(page_idx, str(err)) from err
         out[:PAGE_SIZE] = buf

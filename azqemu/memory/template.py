@@ -54,6 +54,7 @@ class TemplateImage:
         # data pages and holes without temporaries.
         self.pages_z = pages_z
         self.pages_z.flags.writeable = False
+        self.pages_z_addr: int = pages_z.ctypes.data    # for zstd prefixes on the fault path
         self.pages = self.pages_z[:len(idx)]
         self.zero_row = len(idx)
         pg = self.pages

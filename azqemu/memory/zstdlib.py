@@ -73,6 +73,10 @@ def _load_libzstd() -> Any | None:
         lib.ZSTD_compress2.restype = _S
         lib.ZSTD_decompressDCtx.argtypes = [_V, _V, _S, _V, _S]
         lib.ZSTD_decompressDCtx.restype = _S
+        lib.ZSTD_CCtx_reset.argtypes = [_V, _I]
+        lib.ZSTD_CCtx_reset.restype = _S
+        lib.ZSTD_DCtx_reset.argtypes = [_V, _I]
+        lib.ZSTD_DCtx_reset.restype = _S
         lib.ZSTD_isError.argtypes = [_S]
         lib.ZSTD_isError.restype = ctypes.c_uint
         return lib
@@ -183,7 +187,10 @@ class PageZstd:
         if ref_addr:
             lib.ZSTD_CCtx_refPrefix(ctx.cctx, ref_addr, PAGE_SIZE)   # one-shot: next frame only
         n = lib.ZSTD_compress2(ctx.cctx, ctx.scratch_addr, BOUND_BYTES, src_addr, PAGE_SIZE)
-        if lib.ZSTD_isError(n):
+        # zstd error codes are (size_t)-code, far above any real size: a range check spares
+        # a second foreign call (ZSTD_isError) on this hot path.
+        if n > BOUND_BYTES:
+            lib.ZSTD_CCtx_reset(ctx.cctx, 1)          # ZSTD_reset_session_only
             raise RuntimeError("ZSTD_compress2 failed")
         return ctypes.string_at(ctx.scratch_addr, n)
 
@@ -225,7 +232,8 @@ class PageZstd:
         if ref_addr:
             lib.ZSTD_DCtx_refPrefix(ctx.dctx, ref_addr, PAGE_SIZE)
         n = lib.ZSTD_decompressDCtx(ctx.dctx, out_addr, PAGE_SIZE, payload, len(payload))
-        if lib.ZSTD_isError(n) or n != PAGE_SIZE:
+        if n != PAGE_SIZE:                            # an error code, or not a whole page
+            lib.ZSTD_DCtx_reset(ctx.dctx, 1)          # ZSTD_reset_session_only (drops a prefix)
             raise StoreCorrupt(what, "undecodable zstd frame" if lib.ZSTD_isError(n)
                                else f"frame decodes to {n} bytes, not a page")
 
