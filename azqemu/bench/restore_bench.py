@@ -9,7 +9,9 @@ The sandbox is compressed (its pages leave QEMU) and resumed twice around that t
    served by the manager's fault handler (host side: per-fault service time; guest side:
    the stall each first touch costs the faulting thread);
 2. compress again (the hot set is what the tool call faulted in), resume with prefetch (time
-   from the resume request to the vCPUs running, prefetch throughput), run the tool call.
+   from the resume request to the vCPUs running, prefetch throughput), run the tool call;
+3. once more (``next_cycle``): compress, resume with prefetch, run the tool call, to show
+   whether the hot set still predicts the call one cycle later.
 
 Figures (DESIGN.md, "Figures the benchmarks print"; keys stable, extras added freely):
 
@@ -274,6 +276,16 @@ def _measure(c: Client, name: str, hot_mib: int, progress: Callable[[str], None]
     faults_with = _delta_faults(m2, m3)
     progress(f"tool call after a resume with prefetch: {faults_with} faults, {call_pf['duration_s']:.2f} s")
 
+    # 3. The cycle after: its hot set is what call 2 faulted in. Whether prefetch holds up
+    # cycle after cycle depends on the hot set keeping the pages call 2 used without faulting.
+    comp3 = c.call("compress", name=name)
+    res_next = c.call("resume", name=name, prefetch=True)
+    m4 = c.call("memstats", name=name, reset=True)
+    call_next = ws.tool_call()
+    m5 = c.call("memstats", name=name)
+    faults_next = _delta_faults(m4, m5)
+    progress(f"tool call in the next cycle (prefetch): {faults_next} faults, {call_next['duration_s']:.2f} s")
+
     with contextlib.suppress(AzqemuError):
         ws._sh(f"echo quit > {GUEST_DIR}/in && cat {GUEST_DIR}/out")
 
@@ -314,7 +326,10 @@ def _measure(c: Client, name: str, hot_mib: int, progress: Callable[[str], None]
                                          "p99": call_pf["stall_ns"]["p99"] / 1e3},
         "compress": {"stored_pages": int(comp2["stored_pages"]), "resident_pages": int(comp2["resident_pages"]),
                      "total_s": float(comp2["total_s"]), "pages_by_kind": comp2.get("pages", {})},
-        "handler_errors": int(m3["handler"]["errors"]),
+        "next_cycle": {"hot_set_mib": int(comp3["hot_pages"]) * page_mib,
+                       "prefetched_pages": int(res_next.get("prefetched_pages", 0)),
+                       "faults_with_prefetch": faults_next, "tool_call_s": call_next["duration_s"]},
+        "handler_errors": int(m5["handler"]["errors"]),
         "sandbox": name,
     }
 
@@ -348,6 +363,8 @@ def format_table(result: dict[str, Any]) -> str:
         ("faults_after_resume.with_prefetch", "faults in tool call, prefetch", f"{fa['with_prefetch']}"),
         ("faults_removed_fraction", "faults removed by prefetch (%)", f"{result['faults_removed_fraction'] * 100:.1f}"),
     ]
+    if "next_cycle" in result:
+        rows.append(("next_cycle", "faults in tool call, next cycle", f"{result['next_cycle']['faults_with_prefetch']}"))
     lines = [f"{'figure':<36} {'measured':>10}  {'target':<10} verdict"]
     for key, label, value in rows:
         if key in TARGETS:
