@@ -229,18 +229,40 @@ def run(client: Client, *, template: str, hot_mib: int = 100,
     check_daemon(client)
     check_hot_mib(client, template, hot_mib)
     name = f"{CLONE_PREFIX}{os.getpid()}"
+    progress(f"cloning {name} from {template} (lazy)")
     try:
-        progress(f"cloning {name} from {template} (lazy)")
         # Policy manual: nothing compresses or resumes the clone behind the benchmark's back.
         client.call("clone", template=template, names=[name], ram_mode="lazy", policy="manual")
-        return _measure(client, name, hot_mib, progress)
-    finally:
-        try:
-            client.call("destroy", name=name)
-        except RemoteError as exc:
-            if exc.error_type != "SandboxNotFound":
-                log.error("cannot destroy %s: %s", name, exc)
-                raise
+    except RemoteError as exc:
+        if exc.error_type == "SandboxExists":
+            raise  # not ours to destroy
+        _destroy(client, name, quiet=True)  # a clone that failed is removed by the daemon; be sure
+        raise
+    except BaseException:
+        _destroy(client, name, quiet=True)  # interrupted: the daemon may finish the clone anyway
+        raise
+    try:
+        result = _measure(client, name, hot_mib, progress)
+    except BaseException:
+        _destroy(client, name, quiet=True)  # the measurement's error is the one to report
+        raise
+    _destroy(client, name, quiet=False)
+    return result
+
+
+def _destroy(client: Client, name: str, *, quiet: bool) -> None:
+    try:
+        client.call("destroy", name=name)
+    except RemoteError as exc:
+        if exc.error_type == "SandboxNotFound":
+            return
+        if not quiet:
+            raise
+        log.error("cannot destroy %s: %s", name, exc)
+    except AzqemuError as exc:
+        if not quiet:
+            raise
+        log.error("cannot destroy %s: %s", name, exc)
 
 
 def _delta_faults(before: dict[str, Any], after: dict[str, Any]) -> int:
