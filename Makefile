@@ -12,7 +12,7 @@ APT_PACKAGES := qemu-system-x86 qemu-utils libvirt-daemon-system libvirt-clients
 	python3-venv liblzo2-dev util-linux iproute2 procps tini
 PYTEST_ARGS ?=
 
-.PHONY: all deps venv lib image host test unit integration lint demo clean
+.PHONY: all deps venv lib image host test unit integration lint demo perf clean
 
 all: venv lib
 
@@ -32,9 +32,13 @@ $(VENV)/.stamp: pyproject.toml .deps.stamp
 	$(PY) -m pip install -q -e '.[test]'
 	@touch $@
 
-lib: qemu-patches/libazq_uffd.so
+# The userfaultfd export library loaded into QEMU, and the page codec's C loops (optional:
+# azqemu.memory falls back to numpy/Python without them, at about half the speed).
+lib: qemu-patches/libazq_uffd.so azqemu/memory/_pagecodec.so
 qemu-patches/libazq_uffd.so: qemu-patches/azq_uffd.c .deps.stamp
 	gcc -O2 -Wall -Wextra -fPIC -shared -pthread -o $@ $<
+azqemu/memory/_pagecodec.so: azqemu/memory/_pagecodec.c .deps.stamp
+	gcc -O2 -Wall -Wextra -fPIC -shared -o $@ $< -l:libzstd.so.1
 
 image: venv
 	$(AZQ) image build
@@ -59,5 +63,8 @@ test: host lib lint
 demo: host lib
 	$(AZQ) demo
 
+perf: host lib
+	$(PY) -m pytest -s -q tests/perf $(PYTEST_ARGS)
+
 clean:
-	rm -rf $(VENV) .deps.stamp qemu-patches/libazq_uffd.so
+	rm -rf $(VENV) .deps.stamp qemu-patches/libazq_uffd.so azqemu/memory/_pagecodec.so

@@ -68,7 +68,7 @@ class Monitor:
         try:
             return self._qmp.cmd(command, **arguments)
         except ExecuteError as exc:
-            raise QMPError(f"QMP {command} failed: {exc.error.desc}", exc.error.class_) from exc
+            raise QMPError(f"QMP {command} failed: {exc.error.error.desc}", exc.error.error.class_) from exc
         except (OSError, _LibQMPError, TimeoutError) as exc:
             raise QMPError(f"QMP {command} failed: {exc}") from exc
 

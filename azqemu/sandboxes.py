@@ -138,6 +138,8 @@ def clone_one(host: Host, tmpl: TemplateMeta, name: str, *, sharing_domain: str,
             libvirt_type=tmpl.libvirt_type, machine=tmpl.machine, incoming=True, env=env or {},
             ram_backing=ram_backing,
             metadata={"role": "sandbox", "template": tmpl.name, "sharing-domain": sharing_domain,
+                      # Several managers (state directories) may share one libvirtd.
+                      "state-dir": str(repo.cfg.state_dir),
                       "ram-mode": ram_mode,
                       **({"cow-ram": str(trepo.ram_path(tmpl.name))} if ram_backing == "file-private" else {})})
         dom = host.create_transient(domxml.build(spec), name, paused=True)

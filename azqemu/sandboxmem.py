@@ -39,7 +39,7 @@ from azqemu.memory.template import TemplateImage
 from azqemu.restore.export import RamBlock, UffdExport, UffdHandle
 from azqemu.restore.handler import FaultHandler
 from azqemu.restore.prefetch import Prefetcher
-from azqemu.restore.source import CompositeSource, StoreSource, TemplateSource, ZeroSource
+from azqemu.restore.source import CompositeSource, PageSource, StoreSource, TemplateSource, ZeroSource
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +125,7 @@ class SandboxMemory:
         self.registered = False
         self.compressed = False
         self.hot_idx = np.empty(0, dtype=np.int64)
+        self._prefetched_idx = np.empty(0, dtype=np.int64)
         self.last_compress = CompressStats()
         self.last_resume = ResumeStats()
         self.compress_s_total = 0.0
@@ -139,7 +140,7 @@ class SandboxMemory:
             raise RestoreError("the export library reported no guest RAM block")
         return blocks[0]
 
-    def _sources_for_blocks(self) -> list[object]:
+    def _sources_for_blocks(self) -> list[PageSource]:
         # Only the main RAM block is registered; other blocks (if any) get zero sources.
         return [self.sources if b is self.block else ZeroSource(b.page_size) for b in self.handle.blocks]
 
@@ -204,9 +205,15 @@ class SandboxMemory:
             st.encode_s = time.perf_counter() - t1
             st.pages_by_kind, st.bytes_by_kind = dict(res.pages), dict(res.bytes)
             st.stored_pages, st.raw_pages = len(res.stored_idx), len(res.raw_idx)
-            # The hot set of the phase that just ended: what the guest faulted in since the
-            # last resume. Pages it only wrote to fresh memory fault too (MISSING on write).
-            self.hot_idx = np.unique(self.handler.hot_pages(self._block_index).astype(np.int64))
+            # The hot set of the phase that just ended: every page that came back since the
+            # last resume, by a fault (touched, read or written: MISSING faults on both) or by
+            # the prefetch (it did not fault because it was already there). Without the
+            # second part the set would flip between two halves from one wait to the next.
+            # Prefetched pages that went untouched cannot be told apart here (no idle-page
+            # tracking in this kernel), so the set is the union of the working sets seen.
+            faulted = self.handler.hot_pages(self._block_index).astype(np.int64)
+            self.hot_idx = np.union1d(faulted, self._prefetched_idx)
+            self._prefetched_idx = np.empty(0, dtype=np.int64)
             self.handler.reset_hot()
             st.hot_pages = len(self.hot_idx)
             # Sources first, punch second: a page must be findable before it disappears.
@@ -250,6 +257,7 @@ class SandboxMemory:
                 if len(want):
                     with Prefetcher(self.handle.uffd) as pf:
                         r = pf.prefetch(self.block, want, self.sources)
+                    self._prefetched_idx = want
                     st.prefetched_pages = r.pages_copied
                     st.prefetch_s = r.elapsed_s
                     st.prefetch_mib_s = r.mib_s

@@ -10,6 +10,7 @@ interrupted ``template create`` leaves nothing a later command could mistake for
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import json
 import logging
@@ -105,13 +106,13 @@ class TemplateRepo:
             raise TemplateNotFound(name) from exc
         return TemplateMeta(**{k: v for k, v in raw.items() if k in TemplateMeta.__dataclass_fields__})
 
-    def list(self) -> list[TemplateMeta]:
+    def list(self) -> builtins.list[TemplateMeta]:
         if not self.root.exists():
             return []
         return [self.get(p.name) for p in sorted(self.root.iterdir())
                 if (p / "meta.json").exists() and ".tmp-" not in p.name]
 
-    def delete(self, name: str, clones: list[str]) -> None:
+    def delete(self, name: str, clones: builtins.list[str]) -> None:
         if not self.exists(name):
             raise TemplateNotFound(name)
         if clones:
@@ -197,7 +198,7 @@ def create_template(host: Host, repo: TemplateRepo, name: str, *, mem_mib: int =
         spec = domxml.DomainSpec(
             ident=ident, mem_mib=mem_mib, vcpus=vcpus, kernel=image.kernel, initrd=image.initrd,
             rootfs=image.rootfs, cmdline=image.cmdline, libvirt_type=facts.libvirt_type,
-            metadata={"role": "template-build", "template": name})
+            metadata={"role": "template-build", "template": name, "state-dir": str(repo.cfg.state_dir)})
         progress(f"booting {ident.name} ({mem_mib} MiB, {vcpus} vCPU, {facts.accel})")
         dom = host.create_transient(domxml.build(spec), ident.name, paused=False)
         agent = GuestAgent(ident.name, dom.agent_command)

@@ -80,3 +80,78 @@ def bench_restore(hot_mib: int, template_name: str, as_json: bool) -> None:
         click.echo(json.dumps(result, indent=2))
     else:
         click.echo(restore_bench.format_table(result))
+
+
+def _progress(msg: str) -> None:
+    click.echo(f"[{time.strftime('%H:%M:%S')}] {msg}", err=True)
+
+
+@bench.command("density")
+@click.option("--workload", "workload_name", default="coding-agent", show_default=True,
+              help="A built-in workload (coding-agent, data-processing, random-data) or a workload file.")
+@click.option("--sandboxes", "-n", default=16, show_default=True, type=int)
+@click.option("--policy", "policies", multiple=True,
+              help="Policy to run (repeatable; default: none, none-cow, linux, agentzip).")
+@click.option("--scale", default="full", show_default=True, help="Workload scale: full or small.")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--grace", "grace_s", default=1.0, show_default=True, type=float,
+              help="Seconds of LLM wait before a policy compresses or reclaims.")
+@click.option("--out", "out_dir", default=None, help="Directory for JSON, markdown and PNG plots.")
+@click.option("--json", "as_json", is_flag=True, help="Print the JSON result instead of the table.")
+def bench_density(workload_name: str, sandboxes: int, policies: tuple[str, ...], scale: str, seed: int,
+                  grace_s: float, out_dir: str | None, as_json: bool) -> None:
+    """Run one workload under each policy, side by side on this host, and compare memory and latency."""
+    from pathlib import Path
+
+    from azqemu.bench import density, report
+    from azqemu.bench.workload import load
+
+    wl = load(workload_name)
+    pols = list(policies) or list(density.DEFAULT_POLICIES)
+    with ensure_daemon():
+        result = density.run_density(wl, sandboxes, pols, seed=seed, scale=scale, grace_s=grace_s,
+                                     progress=_progress)
+    out = Path(out_dir or f"results/density-{time.strftime('%Y%m%d-%H%M%S')}")
+    files = report.write_report(result, out)
+    diffs = density.outputs_identical(result)
+    if as_json:
+        click.echo(report.to_json(report.with_ratios(result)))
+    else:
+        report.print_table(result)
+        click.echo(f"written: {files.json}, {files.markdown}"
+                   + "".join(f", {p}" for p in (files.memory_png, files.latency_png) if p))
+    for d in diffs:
+        click.echo(f"azq: warning: {d}", err=True)
+
+
+@bench.command("nightly")
+@click.option("--results", "results_dir", default="/var/lib/azqemu/nightly", show_default=True)
+@click.option("--sandboxes", "-n", default=16, show_default=True, type=int)
+@click.option("--tolerance", default=0.15, show_default=True, type=float,
+              help="Relative worsening that counts as a regression.")
+def bench_nightly(results_dir: str, sandboxes: int, tolerance: float) -> None:
+    """Run the default density set into a dated directory; flag regressions against the last run."""
+    import json as json_mod
+    from pathlib import Path
+
+    from azqemu.bench import density, report
+    from azqemu.bench.workload import load
+
+    root = Path(results_dir)
+    previous = sorted(p for p in root.glob("*/density.json")) if root.exists() else []
+    with ensure_daemon():
+        result = density.run_density(load("coding-agent"), sandboxes,
+                                     list(density.DEFAULT_POLICIES) + ["agentzip-no-prefetch"],
+                                     progress=_progress)
+    out = root / time.strftime("%Y-%m-%d-%H%M%S")
+    files = report.write_report(result, out)
+    report.print_table(result)
+    click.echo(f"written: {files.json}")
+    if previous:
+        prev = json_mod.loads(previous[-1].read_text())
+        regressions = report.compare_nightly(prev, result, tolerance)
+        for r in regressions:
+            click.echo(f"REGRESSION {r}")
+        if regressions:
+            raise SystemExit(3)
+        click.echo(f"no regression against {previous[-1].parent.name}")

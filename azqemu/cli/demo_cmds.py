@@ -1,56 +1,38 @@
 """``azq demo``: the main job on its embedded default.
 
-Until the density benchmark lands, the demo makes a template from the guest image, clones a
-few sandboxes, runs a short coding-agent-like workload in each (through the guest agent),
-prints what it did, and removes the sandboxes again.
+The density benchmark at a small size: the built-in coding-agent workload on 4 sandboxes
+(a few steps each), under the policies none, none-cow, linux and agentzip, one after the
+other on this host, ending with the comparison table (owned memory, host memory, tool-call
+latency, and the ratios against none and none-cow). Files land in ./results/demo-<time>/.
 """
 
 from __future__ import annotations
 
-import base64
 import time
+from pathlib import Path
 
 import click
 
-from azqemu.daemon.client import Client
+from azqemu.cli.bench_cmds import _progress
 from azqemu.daemonproc import ensure_daemon
 
-DEMO_TEMPLATE = "azq-demo"
-DEMO_STEPS = [
-    "cat /proc/meminfo | head -3",
-    "cd /workspace && ls",
-    "cd /workspace/* && grep -rn 'def ' --include=*.py . | wc -l",
-    "cd /workspace/* && python3 -m unittest -q 2>&1 | tail -1",
-]
+DEMO_POLICIES = ("none", "none-cow", "linux", "agentzip")
 
 
 @click.command()
 @click.option("--sandboxes", "-n", default=4, show_default=True, type=int)
-@click.option("--keep", is_flag=True, help="Keep the sandboxes and the template afterwards.")
-def demo(sandboxes: int, keep: bool) -> None:
-    """Create a template, clone sandboxes, run an agent-like workload in them."""
+@click.option("--workload", "workload_name", default="coding-agent", show_default=True)
+def demo(sandboxes: int, workload_name: str) -> None:
+    """Run the density benchmark at demo size and print the comparison table."""
+    from azqemu.bench import density, report
+    from azqemu.bench.workload import load
+
+    wl = load(workload_name)
     with ensure_daemon():
-        c = Client()
-        if not any(t["name"] == DEMO_TEMPLATE for t in c.call("template_list")):
-            t0 = time.monotonic()
-            c.call("template_create", name=DEMO_TEMPLATE, mem_mib=512, vcpus=1,
-                   warmup=["cd /workspace/* && python3 -m unittest -q"])
-            click.echo(f"template {DEMO_TEMPLATE} created in {time.monotonic() - t0:.1f} s")
-        t0 = time.monotonic()
-        rows = c.call("clone", template=DEMO_TEMPLATE, count=sandboxes, name_prefix="azq-demo-")
-        per_clone = ", ".join(f"{r['clone_s']:.2f}" for r in rows)
-        click.echo(f"{len(rows)} sandboxes cloned in {time.monotonic() - t0:.1f} s (per clone: {per_clone} s)")
-        try:
-            for step in DEMO_STEPS:
-                for r in rows:
-                    res = c.call("exec", name=r["name"], argv=["/bin/sh", "-c", step], timeout_s=120)
-                    out = base64.b64decode(res["stdout_b64"]).decode(errors="replace").strip().splitlines()
-                    click.echo(f"[{r['name']}] $ {step}  -> exit {res['exit_code']} in "
-                               f"{res['duration_s'] * 1000:.0f} ms: {out[-1] if out else ''}")
-            for s in c.call("list"):
-                click.echo(f"{s['name']}: {s['state']}, resident RAM {(s['resident_bytes'] or 0) >> 20} MiB")
-        finally:
-            if not keep:
-                for r in rows:
-                    c.call("destroy", name=r["name"])
-                click.echo(f"destroyed {len(rows)} sandboxes")
+        result = density.run_density(wl, sandboxes, list(DEMO_POLICIES), scale="small", progress=_progress)
+    out = Path(f"results/demo-{time.strftime('%Y%m%d-%H%M%S')}")
+    files = report.write_report(result, out)
+    report.print_table(result)
+    for d in density.outputs_identical(result):
+        click.echo(f"azq: warning: {d}", err=True)
+    click.echo(f"written: {files.json}, {files.markdown}")

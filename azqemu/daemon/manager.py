@@ -13,6 +13,7 @@ import base64
 import contextlib
 import logging
 import os
+import shutil
 import threading
 import time
 from collections import defaultdict
@@ -31,6 +32,8 @@ from azqemu.errors import (
     DomainNotFound,
     DomainStateError,
     SandboxNotFound,
+    StoreCorrupt,
+    StoreForeign,
 )
 from azqemu.memory.store import PageStore
 from azqemu.memory.template import TemplateImage
@@ -104,6 +107,8 @@ class Manager:
         running = {}
         for dom in self.host.domains():
             meta = dom.metadata()
+            if meta.get("state-dir", str(self.cfg.state_dir)) != str(self.cfg.state_dir):
+                continue  # another manager's sandbox (another state directory)
             if meta.get("role") == "template-build":
                 # A template build whose manager died: its work dir is gone, so is its use.
                 with contextlib.suppress(Exception):
@@ -147,7 +152,19 @@ class Manager:
     def store(self) -> PageStore:
         with self._store_lock:
             if self._store is None:
-                self._store = PageStore(self.cfg.shm_dir / "store")
+                root = self.cfg.shm_dir / "store"
+                try:
+                    self._store = PageStore(root)
+                except (StoreForeign, StoreCorrupt) as exc:
+                    # Refuse to guess while a running sandbox may have pages in it; otherwise
+                    # (a store of an older azqemu, a crash before any sandbox ran) start over.
+                    if any(r.ram_mode != "cow" for r in self.sandboxes.list()):
+                        raise
+                    stale = root.with_name(f"store.unreadable-{int(time.time())}")
+                    log.warning("%s; no sandbox uses it: moved to %s, starting a new store", exc, stale)
+                    os.rename(root, stale)
+                    shutil.rmtree(stale, ignore_errors=True)
+                    self._store = PageStore(root)
             return self._store
 
     def _store_has(self, name: str) -> bool:
@@ -502,6 +519,62 @@ class Manager:
         d["stored_bytes"] = mem.stored_bytes() if mem is not None else 0
         d["compressed"] = bool(mem is not None and mem.compressed)
         return d
+
+    def owned(self, name: str) -> dict[str, Any]:
+        """What the host spends on this sandbox alone (DESIGN.md, benchmark definitions).
+
+        memfd clones (none, agentzip*): the RAM memfd's allocated pages plus the sandbox's
+        bytes in the page store (private encoded pages, its share of shared blobs, its index).
+        Copy-on-write clones (none-cow, linux): the private anonymous pages of the RAM mapping,
+        minus what KSM merged plus the sandbox's share of merged pages, plus its share of
+        zram's memory for what was swapped out. Template pages only mapped are the template's.
+        QEMU's own memory (process PSS minus guest RAM) is reported apart.
+        """
+        from azqemu.bench import hostmem
+        from azqemu.bench.linux_config import find_guest_ram
+
+        rec = self._record(name)
+        pid = self.qemu_pid(name)
+        out: dict[str, Any] = {"name": name, "policy": rec.policy, "ram_mode": rec.ram_mode}
+        if pid is None:
+            return out | {"owned_bytes": 0, "resident_bytes": 0, "stored_bytes": 0, "qemu_own_bytes": 0}
+        if rec.ram_mode == "cow":
+            start, end = find_guest_ram(pid, backing="ram.img")
+        else:
+            start, end = find_guest_ram(pid, backing="memfd:")
+        vma = hostmem.read_vma_smaps(pid, start, end)
+        if rec.ram_mode == "cow":
+            zram = hostmem.read_zram_total()
+            owned = hostmem.linux_owned_bytes(vma, hostmem.read_ksm(), zram)
+            resident = vma.get("Anonymous", 0)
+            stored = owned - max(0, resident - vma.get("KSM", 0))
+        else:
+            resident = self._resident_bytes(self.host.get_domain(name), rec.ram_mode) or 0
+            mem = self.mem.get(name)
+            stored = mem.stored_bytes() if mem is not None else 0
+            owned = resident + stored
+        rollup = hostmem.read_smaps_rollup(pid)
+        mem = self.mem.get(name)
+        return out | {"owned_bytes": int(owned), "resident_bytes": int(resident), "stored_bytes": int(stored),
+                      "qemu_own_bytes": hostmem.qemu_own_bytes(rollup, vma),
+                      "compress_s_total": mem.compress_s_total if mem else 0.0,
+                      "restore_s_total": mem.restore_s_total if mem else 0.0}
+
+    def op_owned(self, names: list[str] | None = None) -> dict[str, Any]:
+        """Owned bytes of sandboxes (all by default), the store's total and the manager's RSS."""
+        import psutil
+
+        names = names if names is not None else [r.name for r in self.sandboxes.list()]
+        rows = {}
+        for n in names:
+            try:
+                rows[n] = self.owned(n)
+            except AzqemuError as exc:
+                rows[n] = {"name": n, "error": str(exc)}
+        # The store's arenas as allocated (dead bytes before compaction included): host memory.
+        store_bytes = int(self._store.total_bytes().arena_used_bytes) if self._store is not None else 0
+        return {"sandboxes": rows, "store_bytes": store_bytes,
+                "manager_rss_bytes": psutil.Process().memory_info().rss}
 
     def op_list(self) -> list[dict[str, Any]]:
         return [self._describe(r) for r in self.sandboxes.list()]

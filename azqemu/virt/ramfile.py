@@ -99,7 +99,7 @@ def save_sparse(src_path: Path, dst_path: Path, size_bytes: int) -> int:
                 pos = off
                 while pos < off + length:
                     n = min(COPY_CHUNK_BYTES, off + length - pos)
-                    view = memoryview(buf)[:n]
+                    view = memoryview(buf.data)[:n]  # type: ignore[arg-type]
                     got = os.preadv(src, [view], pos)
                     if got != n:
                         raise VirtError(f"short read from {src_path}")

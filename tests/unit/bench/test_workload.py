@@ -102,10 +102,11 @@ def test_small_scale() -> None:
         wl = load(name)
         small = wl.plan(seed=1, scale="small")
         full = wl.plan(seed=1)
-        assert len(small) == 2 and len(full) == wl.fanout
         sc = wl.scale("small")
+        assert len(small) == (sc.fanout or 2) and len(full) == wl.fanout
         assert all(len(p) <= (sc.max_steps or 99) for p in small)
-        assert sum(s.wait_s for s in small[0]) < sum(s.wait_s for s in full[0]) / 5
+        # The small scale is a shorter run with shorter waits (still long enough to compress in).
+        assert sum(s.wait_s for s in small[0]) < sum(s.wait_s for s in full[0]) / 2
     # A file without scales still has a small one.
     default_small = loads(MINIMAL).plan(seed=0, scale="small")
     assert len(default_small) == 2 and default_small[0][0].wait_s <= 0.2
