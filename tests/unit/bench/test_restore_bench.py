@@ -37,3 +37,9 @@ def test_table_shows_units_targets_and_verdicts() -> None:
     assert removed.split()[-4:] == ["99.9", ">=", "90", "met"]
     stall_p99 = next(line for line in lines if line.startswith("fault stall p99"))
     assert stall_p99.split()[-1] == "90.0"  # no target: no verdict
+    assert not any(line.startswith("faults in tool call, next cycle") for line in lines)
+
+
+def test_table_shows_the_next_cycle_when_measured() -> None:
+    res = _result(next_cycle={"faults_with_prefetch": 27950})
+    assert rb.format_table(res).splitlines()[-1].split()[-1] == "27950"
