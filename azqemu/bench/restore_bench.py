@@ -28,6 +28,12 @@ Figures (DESIGN.md, "Figures the benchmarks print"; keys stable, extras added fr
   client's round trip is ``resume_rtt_s``);
 - ``faults_after_resume``: handler faults from the start to the end of the repeated tool call
   after each resume; ``faults_removed_fraction`` = 1 - with / without.
+
+The stall depends on how fast an idle host CPU wakes up: each fault wakes the handler thread
+and then the vCPU thread. On a host that is itself a VM whose idle CPUs halt at once (cpuidle
+``haltpoll`` with ``guest_halt_poll_ns`` 0, as on the development machines), that costs ~40 us
+per fault: the stall median measured ~70 us on an idle host and ~30 us with a niced busy loop
+keeping a CPU awake. ``host_idle`` records the setting beside the figures.
 """
 
 from __future__ import annotations
@@ -265,6 +271,19 @@ def _destroy(client: Client, name: str, *, quiet: bool) -> None:
         log.error("cannot destroy %s: %s", name, exc)
 
 
+def host_idle() -> dict[str, str]:
+    """The host's cpuidle driver and halt-polling setting (see the module docstring)."""
+    out = {}
+    for key, path in (("cpuidle_driver", "/sys/devices/system/cpu/cpuidle/current_driver"),
+                      ("guest_halt_poll_ns", "/sys/module/haltpoll/parameters/guest_halt_poll_ns")):
+        try:
+            with open(path) as f:
+                out[key] = f.read().strip()
+        except OSError:
+            out[key] = ""
+    return out
+
+
 def _delta_faults(before: dict[str, Any], after: dict[str, Any]) -> int:
     return int(after["handler"]["faults"]) - int(before["handler"]["faults"])
 
@@ -352,6 +371,7 @@ def _measure(c: Client, name: str, hot_mib: int, progress: Callable[[str], None]
                        "prefetched_pages": int(res_next.get("prefetched_pages", 0)),
                        "faults_with_prefetch": faults_next, "tool_call_s": call_next["duration_s"]},
         "handler_errors": int(m5["handler"]["errors"]),
+        "host_idle": host_idle(),
         "sandbox": name,
     }
 
