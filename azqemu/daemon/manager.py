@@ -31,6 +31,7 @@ from azqemu.errors import (
     ConfigError,
     DomainNotFound,
     DomainStateError,
+    SandboxExists,
     SandboxNotFound,
     StoreCorrupt,
     StoreForeign,
@@ -290,8 +291,15 @@ class Manager:
         env = self._preload_env() if self.lazy_available and mode != "cow" else {}
         fills = {"eager": eager_fill, "cow": cow_fill}
 
+        for n in names:
+            # Refuse a taken name before anything is made (and never touch the existing one).
+            if n in self.sched or self.sandboxes.path(n).exists() or self.host.has_domain(n):
+                raise SandboxExists(n)
+        attached: set[str] = set()
+
         def lazy_fill(_dom: Domain, _pid: int, ident: Identity, t: TemplateMeta) -> None:
             self._attach_memory(ident.name, sharing_domain, t, lazy_clone=True, use_siblings=pol.use_siblings)
+            attached.add(ident.name)
 
         def one(n: str) -> SandboxRecord:
             with self.lock(n):
@@ -303,9 +311,10 @@ class Manager:
                     self.sched[n] = SchedState(pol, grace_s=float(grace_s))
                     return rec
                 except BaseException:
-                    mem = self.mem.pop(n, None)
-                    if mem is not None:
-                        mem.detach()
+                    if n in attached:  # only the memory this attempt attached
+                        mem = self.mem.pop(n, None)
+                        if mem is not None:
+                            mem.detach()
                     raise
 
         with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_CLONES, len(names))) as pool:

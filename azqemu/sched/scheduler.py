@@ -12,6 +12,7 @@ sandboxes while their memory is over a budget. A tool call never waits for a com
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,6 +31,17 @@ log = logging.getLogger(__name__)
 
 TICK_S = 0.1
 HOST_SAMPLE_S = 1.0
+# Compression is background work: on a small host it must not take CPU from the vCPUs of
+# sandboxes running tool calls (nor from the fault handlers, which stay at nice 0).
+COMPRESS_NICE = 10
+
+
+def _lower_priority() -> None:
+    """setpriority(2) on a thread id lowers that thread only (Linux semantics)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPRESS_NICE)
+    except OSError as exc:
+        log.debug("cannot lower the compression thread's priority: %s", exc)
 
 
 @dataclass
@@ -49,7 +61,8 @@ class Scheduler:
         self.m = manager
         self.tick_s = tick_s
         self.pressure_budget_bytes: int | None = None
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="azq-compress")
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="azq-compress",
+                                          initializer=_lower_priority)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="azq-scheduler", daemon=True)
         self._last_host_sample = 0.0
