@@ -32,6 +32,8 @@ def azq_env() -> Iterator[dict[str, str]]:
     if os.geteuid() != 0:
         pytest.skip("integration tests need root (libvirt qemu:///system)")
     base = Path(tempfile.mkdtemp(prefix="azq-itest-"))
+    # QEMU runs as libvirt-qemu and maps template RAM images from here (copy-on-write clones).
+    os.chmod(base, 0o755)
     run_dir = Path(f"/run/azq-itest-{os.getpid()}")
     env = {"AZQ_STATE_DIR": str(base / "state"), "AZQ_RUN_DIR": str(run_dir),
            "AZQ_SHM_DIR": f"/dev/shm/azq-itest-{os.getpid()}"}

@@ -1,0 +1,41 @@
+"""The density benchmark at its small configuration, every policy, real sandboxes.
+
+Checks that each policy's run completes, that the guest-visible results (every tool call's
+exit code and output) are identical across policies, that the agentzip policies really
+compressed, and that the host is left as it was found (no swap device, KSM as before).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from azqemu.bench import density
+from azqemu.bench.linux_config import HostSnapshot
+from azqemu.bench.workload import load
+from azqemu.daemon.client import Client
+
+pytestmark = pytest.mark.vm
+WORKLOAD = Path(__file__).parent / "data" / "deterministic.yaml"
+POLICIES = ["none", "none-cow", "linux", "agentzip", "agentzip-no-prefetch", "agentzip-no-sibling",
+            "agentzip-pressure"]
+
+
+def test_every_policy_runs_and_guest_results_are_identical(daemon: object) -> None:
+    before = HostSnapshot.take()
+    wl = load(str(WORKLOAD))
+    result = density.run_density(wl, 2, POLICIES, grace_s=0.5)
+    assert set(result["policies"]) == set(POLICIES)
+    plan = wl.plan(2, 0)
+    for name, pol in result["policies"].items():
+        assert len(pol["steps"]) == sum(len(p) for p in plan), name
+        assert pol["failed_steps"] == 0, (name, [s for s in pol["steps"] if s["exit_code"]])
+        assert pol["owned_bytes_avg"] > 0 and pol["tool_latency_s"]["median"] > 0
+    assert density.outputs_identical(result) == []
+    for name in ("agentzip", "agentzip-no-prefetch", "agentzip-no-sibling"):
+        assert result["policies"][name]["compress_s_total"] > 0, name
+        assert result["policies"][name]["owned_bytes_avg"] < result["policies"]["none"]["owned_bytes_avg"]
+    # Nothing left behind: no sandbox, and the host's swap/KSM/zram settings as they were.
+    assert Client().call("list") == []
+    assert HostSnapshot.take().diff(before) == []
