@@ -12,6 +12,35 @@ def mem() -> None:
     """Guest memory: analyze compressibility, inspect the page store."""
 
 
+def _template_path(name_or_path: str) -> str:
+    """A template RAM image path, or an azqemu template's by name."""
+    import os
+
+    from azqemu.templates import TemplateRepo
+
+    if os.path.exists(name_or_path):
+        return name_or_path
+    repo = TemplateRepo()
+    repo.get(name_or_path)  # TemplateNotFound: one clear line
+    return str(repo.ram_path(name_or_path))
+
+
+def _resolve_sandbox(name: str) -> str:
+    """A RAM image path, or a running sandbox's RAM memfd (/proc/PID/fd/N) by its name."""
+    import os
+
+    from azqemu.daemon.client import Client
+    from azqemu.errors import ConfigError
+    from azqemu.virt.ramfile import find_ram_fd
+
+    if os.path.exists(name):
+        return name
+    info = Client().call("dominfo", name=name)
+    if info.get("ram_mode") == "cow" or not info.get("qemu_pid"):
+        raise ConfigError(f"sandbox {name!r} has no RAM memfd to read (mode {info.get('ram_mode')})")
+    return str(find_ram_fd(int(info["qemu_pid"])))
+
+
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
@@ -21,8 +50,8 @@ def _fmt_bytes(n: float) -> str:
 
 
 @mem.command("analyze")
-@click.option("--template", "template", required=True, type=click.Path(dir_okay=False),
-              help="Template RAM image (sparse file).")
+@click.option("--template", "template", required=True,
+              help="Template RAM image (a sparse file), or the name of an azqemu template.")
 @click.argument("sandboxes", nargs=-1, required=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON figures instead of a table.")
 @click.option("--domain", default="analyze", show_default=True, help="Sharing domain of the sandboxes.")
@@ -33,11 +62,16 @@ def _fmt_bytes(n: float) -> str:
 @click.option("--effort", type=click.IntRange(1, 2), default=None, help="Encoder effort (default 1).")
 def analyze_cmd(template: str, sandboxes: tuple[str, ...], as_json: bool, domain: str, store_dir: str | None,
                 zstd_level: int, effort: int | None) -> None:
-    """Compare azqemu's encoding of SANDBOX RAM images with the Linux model (KSM + zram)."""
+    """Compare azqemu's encoding of SANDBOX RAM images with the Linux model (KSM + zram).
+
+    Each SANDBOX is a RAM image file or the name of a running sandbox (its live RAM is read
+    through its QEMU's memfd, holes skipped). Read a sandbox while it is paused or idle for a
+    consistent picture.
+    """
     from azqemu.memory.analyze import analyze
 
-    result = analyze(template, list(sandboxes), domain=domain, store_dir=store_dir, zstd_level=zstd_level,
-                     effort=effort)
+    result = analyze(_template_path(template), list(sandboxes), domain=domain, resolver=_resolve_sandbox,
+                     store_dir=store_dir, zstd_level=zstd_level, effort=effort)
     if as_json:
         click.echo(json.dumps(result, indent=2, sort_keys=True))
         return
