@@ -216,8 +216,13 @@ class FaultHandler:
 
     # -- results -------------------------------------------------------------------------
     def hot_pages(self, block_index: int = 0) -> np.ndarray:
-        """Pages of the block (index from the block start) faulted since the last reset."""
-        return np.flatnonzero(np.frombuffer(self._blocks[block_index].hot, dtype=np.uint8))
+        """Pages of the block (index from the block start) faulted since the last reset.
+
+        The handler thread may mark pages while this runs (QEMU's own threads can fault
+        with the vCPUs paused): work on a snapshot, or np.flatnonzero sees the count change.
+        """
+        snapshot = bytes(self._blocks[block_index].hot)
+        return np.flatnonzero(np.frombuffer(snapshot, dtype=np.uint8))
 
     def reset_hot(self) -> None:
         for b in self._blocks:
