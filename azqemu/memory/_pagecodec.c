@@ -9,9 +9,12 @@
  * Build (Makefile): gcc -O2 -Wall -Wextra -fPIC -shared -o azqemu/memory/_pagecodec.so \
  *                       azqemu/memory/_pagecodec.c -l:libzstd.so.1
  * Only the runtime libzstd.so.1 is needed: the few functions used are declared below from the
- * stable section of zstd.h (v1.4.0 and later), so no -dev package is required.
+ * stable section of zstd.h (v1.4.0 and later), so no -dev package is required. LZ4 (liblz4.so.1)
+ * and XXH3 (libxxhash.so.0) are optional: zstdlib.py resolves them with ctypes and hands their
+ * addresses to azq_set_helpers(), so the build line needs neither library nor its headers.
  */
 #include <stddef.h>
+#include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -30,12 +33,42 @@ unsigned ZSTD_isError(size_t code);
 #define BOUND (PAGE + 128)
 
 /* Attempt flags per page (set by encoder.py) and the choices reported back. */
-enum { F_XOR_T = 1, F_PREFIX_T = 2, F_XOR_S = 4, F_PREFIX_S = 8, F_HAS_S = 16 };
-enum { C_ZSTD = 0, C_XOR_T = 1, C_PREFIX_T = 2, C_XOR_S = 3, C_PREFIX_S = 4, C_RAW = 255 };
+enum { F_XOR_T = 1, F_PREFIX_T = 2, F_XOR_S = 4, F_PREFIX_S = 8, F_HAS_S = 16, F_LZ4 = 32 };
+enum { C_ZSTD = 0, C_XOR_T = 1, C_PREFIX_T = 2, C_XOR_S = 3, C_PREFIX_S = 4, C_LZ4 = 5, C_RAW = 255 };
 /* Decode methods: numbering of azqemu.memory.kinds.Method. */
-enum { M_ZSTD = 0, M_XOR = 1, M_PREFIX = 2 };
+enum { M_ZSTD = 0, M_XOR = 1, M_PREFIX = 2, M_LZ4 = 3 };
 
-int azq_pagecodec_abi(void) { return 1; }
+int azq_pagecodec_abi(void) { return 2; }
+
+/* lz4.h (v1.9 stable API) and xxhash.h (v0.8, XXH3 stable) signatures. */
+typedef int (*lz4_compress_fn)(const char *src, char *dst, int srcSize, int dstCapacity);
+typedef int (*lz4_decompress_fn)(const char *src, char *dst, int compressedSize, int dstCapacity);
+typedef int (*lz4_hc_fn)(void *state, const char *src, char *dst, int srcSize, int dstCapacity, int level);
+typedef struct { uint64_t low64, high64; } xxh128_hash;
+typedef xxh128_hash (*xxh3_128_fn)(const void *data, size_t len);
+static lz4_compress_fn lz4_compress;       /* LZ4_compress_default */
+static lz4_decompress_fn lz4_decompress;   /* LZ4_decompress_safe */
+static lz4_hc_fn lz4_hc;                   /* LZ4_compress_HC_extStateHC */
+static int lz4_hc_state_bytes;             /* LZ4_sizeofStateHC() */
+static xxh3_128_fn xxh3_128;               /* XXH3_128bits */
+
+/* Set (or clear, with NULL) the optional helpers; returns a bit set of those present. */
+int azq_set_helpers(void *lz4c, void *lz4d, void *lz4hc, int hc_state_bytes, void *xxh)
+{
+    lz4_compress = (lz4_compress_fn)lz4c;
+    lz4_decompress = (lz4_decompress_fn)lz4d;
+    lz4_hc = (lz4_hc_fn)lz4hc;
+    lz4_hc_state_bytes = hc_state_bytes;
+    xxh3_128 = (xxh3_128_fn)xxh;
+    return (lz4_compress && lz4_decompress ? 1 : 0) | (xxh3_128 ? 2 : 0) | (lz4_hc && hc_state_bytes > 0 ? 4 : 0);
+}
+
+/* The store's checksum of a page: the second half of the canonical (big-endian) XXH3-128
+ * digest read as a little-endian u64, i.e. the byte-swapped low64 (pagehash.py). */
+static uint64_t page_check(const uint8_t *p)
+{
+    return __builtin_bswap64(xxh3_128(p, PAGE).low64);
+}
 
 static long zc(ZSTD_CCtx *c, uint8_t *dst, const uint8_t *src, const uint8_t *ref)
 {
@@ -51,21 +84,47 @@ static long zc(ZSTD_CCtx *c, uint8_t *dst, const uint8_t *src, const uint8_t *re
 
 #define TAKE(len_, ch_) do { uint8_t *t_ = best; best = cur; cur = t_; best_len = (len_); ch = (ch_); } while (0)
 
+static long azq_encode_loop(ZSTD_CCtx *cctx, int m, const uint8_t *up, const uint8_t *tp, const uint8_t *xp,
+                            const uint8_t *sp, const uint8_t *sxp, const uint8_t *flags,
+                            long tiny, long gain, long small, long raw_limit, int lz4_level, void *hc_state,
+                            uint8_t *buf_a, uint8_t *buf_b,
+                            uint8_t *out, size_t out_cap, uint32_t *out_off, uint16_t *out_len, uint8_t *choice,
+                            uint64_t *tries, size_t *pos_io);
+
 /*
  * Encode m pages. Page i is up[i*PAGE]; tp/xp/sp/sxp hold, row for row, the same-address
  * template page, page^template, the SDELTA reference and page^reference (rows only read when
  * the page's flags ask for them). The smallest payload is appended to out; its offset, length
  * and choice are reported (C_RAW with length 0 when even the best exceeds raw_limit).
- * tries[0..3] count zstd, xor, prefix and sdelta attempts. Returns the bytes used in out, or
+ * tries[0..4] count zstd, xor, prefix, sdelta and lz4 attempts. Returns the bytes used in out, or
  * -1 if out is too small or zstd failed (the caller falls back to Python).
  */
 long azq_encode_batch(ZSTD_CCtx *cctx, int m, const uint8_t *up, const uint8_t *tp, const uint8_t *xp,
                       const uint8_t *sp, const uint8_t *sxp, const uint8_t *flags,
-                      long tiny, long gain, long small, long raw_limit,
+                      long tiny, long gain, long small, long raw_limit, int lz4_level,
                       uint8_t *out, size_t out_cap, uint32_t *out_off, uint16_t *out_len, uint8_t *choice,
                       uint64_t *tries)
 {
     uint8_t buf_a[BOUND], buf_b[BOUND];
+    size_t pos = 0;
+    void *hc_state = NULL;
+    if (lz4_level > 0) {
+        if (!lz4_hc || lz4_hc_state_bytes <= 0 || !(hc_state = malloc((size_t)lz4_hc_state_bytes)))
+            return -1;
+    }
+    long rc = azq_encode_loop(cctx, m, up, tp, xp, sp, sxp, flags, tiny, gain, small, raw_limit, lz4_level,
+                              hc_state, buf_a, buf_b, out, out_cap, out_off, out_len, choice, tries, &pos);
+    free(hc_state);
+    return rc < 0 ? -1 : (long)pos;
+}
+
+static long azq_encode_loop(ZSTD_CCtx *cctx, int m, const uint8_t *up, const uint8_t *tp, const uint8_t *xp,
+                            const uint8_t *sp, const uint8_t *sxp, const uint8_t *flags,
+                            long tiny, long gain, long small, long raw_limit, int lz4_level, void *hc_state,
+                            uint8_t *buf_a, uint8_t *buf_b,
+                            uint8_t *out, size_t out_cap, uint32_t *out_off, uint16_t *out_len, uint8_t *choice,
+                            uint64_t *tries, size_t *pos_io)
+{
     size_t pos = 0;
     for (int i = 0; i < m; i++) {
         size_t off = (size_t)i * PAGE;
@@ -73,7 +132,19 @@ long azq_encode_batch(ZSTD_CCtx *cctx, int m, const uint8_t *up, const uint8_t *
         long best_len = -1, limit = 0, n;
         int ch = C_ZSTD;
         uint8_t f = flags[i];
-        if (f & F_XOR_T) {
+        if (f & F_LZ4) {
+            /* A page on the decode-cost diet (hot set): LZ4 alone, ~5x cheaper to decode. */
+            if (!hc_state && !lz4_compress)
+                return -1;
+            n = hc_state ? lz4_hc(hc_state, (const char *)(up + off), (char *)cur, PAGE, BOUND, lz4_level)
+                         : lz4_compress((const char *)(up + off), (char *)cur, PAGE, BOUND);
+            tries[4]++;
+            if (n <= 0)
+                return -1;
+            TAKE(n, C_LZ4);
+            f = 0;
+        }
+        else if (f & F_XOR_T) {
             n = zc(cctx, cur, xp + off, NULL);
             tries[1]++;
             if (n < 0)
@@ -81,7 +152,7 @@ long azq_encode_batch(ZSTD_CCtx *cctx, int m, const uint8_t *up, const uint8_t *
             TAKE(n, C_XOR_T);
             limit = n;
         }
-        if (best_len < 0 || best_len > tiny) {
+        if (ch != C_LZ4 && (best_len < 0 || best_len > tiny)) {
             n = zc(cctx, cur, up + off, NULL);
             tries[0]++;
             if (n < 0)
@@ -129,37 +200,70 @@ long azq_encode_batch(ZSTD_CCtx *cctx, int m, const uint8_t *up, const uint8_t *
         choice[i] = (uint8_t)ch;
         pos += (size_t)best_len;
     }
-    return (long)pos;
+    *pos_io = pos;
+    return 0;
 }
 
 /*
  * Decode k payloads (concatenated in src at src_off/src_len) into dst_base + dst_row[i]*PAGE.
- * ref[i] is the address of the reference page for M_XOR and M_PREFIX (0 for M_ZSTD).
- * Returns -1 on success, else the index of the first payload that is not a valid page frame.
- * Checksums are verified by the caller.
+ * ref[i] is the address of the reference page for M_XOR and M_PREFIX (0 otherwise).
+ * If check is not NULL (and XXH3 was set), page i is verified against check[i].
+ * Returns -1 on success, i if payload i is not a valid page frame, -(i + 2) if page i
+ * decoded but does not match its checksum. Without check, the caller verifies.
  */
 long azq_decode_batch(ZSTD_DCtx *dctx, int k, const uint8_t *src, const uint32_t *src_off,
                       const uint32_t *src_len, const uint8_t *method, const uint64_t *ref,
-                      uint8_t *dst_base, const int64_t *dst_row)
+                      uint8_t *dst_base, const int64_t *dst_row, const uint64_t *check)
 {
+    if (check && !xxh3_128)
+        return k > 0 ? 0 : -1;
     for (int i = 0; i < k; i++) {
         uint8_t *dst = dst_base + (size_t)dst_row[i] * PAGE;
         const uint8_t *r = (const uint8_t *)(uintptr_t)ref[i];
-        if (method[i] > M_PREFIX || (method[i] != M_ZSTD && r == NULL))
+        uint8_t m = method[i];
+        if (m > M_LZ4 || ((m == M_XOR || m == M_PREFIX) && r == NULL))
             return i;
-        if (method[i] == M_PREFIX)
-            ZSTD_DCtx_refPrefix(dctx, r, PAGE);
-        size_t n = ZSTD_decompressDCtx(dctx, dst, PAGE, src + src_off[i], src_len[i]);
-        if (ZSTD_isError(n) || n != PAGE) {
-            ZSTD_DCtx_reset(dctx, ZSTD_RESET_SESSION_ONLY);
-            return i;
+        if (m == M_LZ4) {
+            if (!lz4_decompress || src_len[i] > (uint32_t)BOUND
+                || lz4_decompress((const char *)(src + src_off[i]), (char *)dst, (int)src_len[i], PAGE) != PAGE)
+                return i;
+        } else {
+            if (m == M_PREFIX)
+                ZSTD_DCtx_refPrefix(dctx, r, PAGE);
+            size_t n = ZSTD_decompressDCtx(dctx, dst, PAGE, src + src_off[i], src_len[i]);
+            if (ZSTD_isError(n) || n != PAGE) {
+                ZSTD_DCtx_reset(dctx, ZSTD_RESET_SESSION_ONLY);
+                return i;
+            }
+            if (m == M_XOR) {
+                uint64_t *d = (uint64_t *)dst;
+                const uint64_t *rr = (const uint64_t *)r;
+                for (int j = 0; j < PAGE / 8; j++)
+                    d[j] ^= rr[j];
+            }
         }
-        if (method[i] == M_XOR) {
-            uint64_t *d = (uint64_t *)dst;
-            const uint64_t *rr = (const uint64_t *)r;
-            for (int j = 0; j < PAGE / 8; j++)
-                d[j] ^= rr[j];
-        }
+        if (check && page_check(dst) != check[i])
+            return -(long)i - 2;
     }
     return -1;
+}
+
+/* Checksums of k pages at base + row[i]*PAGE (XXH3 must be set). */
+int azq_page_checks(int k, const uint8_t *base, const int64_t *row, uint64_t *out)
+{
+    if (!xxh3_128)
+        return -1;
+    for (int i = 0; i < k; i++)
+        out[i] = page_check(base + (size_t)row[i] * PAGE);
+    return 0;
+}
+
+/* Copy k byte ranges (src[i], len[i]) back to back into dst (payload gathering). */
+void azq_gather(int k, uint8_t *dst, const uint64_t *src, const uint32_t *len)
+{
+    size_t pos = 0;
+    for (int i = 0; i < k; i++) {
+        memcpy(dst + pos, (const void *)(uintptr_t)src[i], len[i]);
+        pos += len[i];
+    }
 }

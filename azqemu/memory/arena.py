@@ -17,6 +17,7 @@ The header binds the file to its store: an arena of another store is refused as 
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import struct
@@ -51,6 +52,7 @@ class Arena:
     live: int          # bytes of payloads still referenced
     fd: int
     mm: mmap.mmap
+    addr: int = 0      # address of the mapping, once asked for (valid while mm is open)
 
     @property
     def payload_bytes(self) -> int:
@@ -190,6 +192,45 @@ class ArenaSet:
         if a is None or offset < ARENA_HEADER_BYTES or offset + length > a.used:
             raise StoreCorrupt(str(self.root), f"blob location {arena_id}:{offset}+{length} out of bounds")
         return a.mm[offset:offset + length]
+
+    def gather(self, arena_ids: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> bytes | np.ndarray:
+        """The payloads at (arena, offset, length), back to back: a uint8 array copied by the C
+        loop when _pagecodec.so is built, else bytes. Callers hold the store's lock (the
+        mappings must stay open while they are read)."""
+        from azqemu.memory.zstdlib import _NATIVE
+
+        arena_ids = np.asarray(arena_ids, dtype=np.int64)
+        offsets = np.asarray(offsets, dtype=np.int64)
+        lengths = np.asarray(lengths, dtype=np.uint32)
+        if len(arena_ids) == 0:
+            return b""
+        present = np.unique(arena_ids)
+        base = np.zeros(int(present.max()) + 1, dtype=np.uint64)
+        used = np.zeros(len(base), dtype=np.int64)
+        for aid in present.tolist():
+            a = self.arenas.get(aid)
+            if a is None:
+                raise StoreCorrupt(str(self.root), f"blob location in missing arena {aid}")
+            if not a.addr:
+                # ctypes.addressof of a buffer export, released at once: the address stays
+                # valid while the mapping is open, and the store's lock keeps it open here.
+                obj = ctypes.c_char.from_buffer(a.mm)
+                a.addr = ctypes.addressof(obj)
+                del obj
+            base[aid], used[aid] = a.addr, a.used
+        ends = offsets + lengths
+        bad = (offsets < ARENA_HEADER_BYTES) | (ends > used[arena_ids])
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise StoreCorrupt(str(self.root), f"blob location {int(arena_ids[i])}:{int(offsets[i])}"
+                               f"+{int(lengths[i])} out of bounds")
+        if _NATIVE is None:
+            return b"".join([self.arenas[a].mm[o:o + n] for a, o, n in zip(arena_ids.tolist(), offsets.tolist(),
+                                                                           lengths.tolist())])
+        out = np.empty(int(lengths.sum()), dtype=np.uint8)
+        src = base[arena_ids] + offsets.astype(np.uint64)
+        _NATIVE.azq_gather(len(src), out.ctypes.data, src.ctypes.data, lengths.ctypes.data)
+        return out
 
     def release(self, arena_id: int, length: int) -> None:
         a = self.arenas[arena_id]

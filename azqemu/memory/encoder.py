@@ -12,6 +12,8 @@ Order of decisions, cheapest first:
    index (template pages elsewhere, or the domain's blobs). The smallest payload whose decode
    cost fits the budget wins; a delta must beat plain zstd by ``DELTA_MIN_GAIN_BYTES`` since it
    pins its reference; above ``RAW_THRESHOLD_BYTES`` the page stays RAW.
+   Hot pages (``hot``: the caller's prediction of what the next resume puts back first) that
+   reach this step are held to ``HOT_DECODE_BUDGET_US`` instead: LZ4 of the page alone.
 
 The encoder only plans; the store commits the plan (arena writes, blob table, references).
 """
@@ -23,9 +25,11 @@ from typing import Protocol
 
 import numpy as np
 
+from azqemu.memory import lz4page
 from azqemu.memory.kinds import (
     DECODE_COST_US,
     DEFAULT_DECODE_BUDGET_US,
+    HOT_DECODE_BUDGET_US,
     PAGE_SIZE,
     RAW_THRESHOLD_BYTES,
     Kind,
@@ -40,10 +44,12 @@ from azqemu.memory.zstdlib import (
     C_RAW,
     C_ZSTD,
     F_HAS_S,
+    F_LZ4,
     F_PREFIX_S,
     F_PREFIX_T,
     F_XOR_S,
     F_XOR_T,
+    NATIVE_LZ4,
     PageZstd,
 )
 
@@ -74,7 +80,8 @@ UNIQUE_CHUNK_PAGES = 512
 SMALL_ENOUGH_BYTES = 64
 
 _K_ZSTD, _K_TDELTA, _K_SDELTA, _K_RAW = int(Kind.ZSTD), int(Kind.TDELTA), int(Kind.SDELTA), int(Kind.RAW)
-_M_ZSTD, _M_XOR, _M_PREFIX = int(Method.ZSTD), int(Method.XOR), int(Method.PREFIX)
+_K_LZ4 = int(Kind.LZ4)
+_M_ZSTD, _M_XOR, _M_PREFIX, _M_LZ4 = int(Method.ZSTD), int(Method.XOR), int(Method.PREFIX), int(Method.LZ4)
 _R_NONE, _R_TEMPLATE, _R_BLOB = int(RefType.NONE), int(RefType.TEMPLATE), int(RefType.BLOB)
 
 # Plan target kinds (what ``Plan.target`` holds for a page).
@@ -87,6 +94,7 @@ class DomainView(Protocol):
     def find_dups(self, key: np.ndarray) -> np.ndarray: ...           # blob id or -1
     def blob_page(self, blob_id: int) -> np.ndarray: ...              # verified content
     def blob_decode_cost_us(self, blob_id: int) -> float: ...
+    def blob_shared(self, blob_id: int) -> bool: ...                   # referenced more than once
     def blob_is_base(self, blob_id: int) -> bool: ...                  # may serve as SDELTA base
     def sim_index(self) -> SimilarityIndex: ...                        # sources are blob ids
 
@@ -151,6 +159,7 @@ class EncoderOptions:
     decode_budget_us: float = DEFAULT_DECODE_BUDGET_US
     use_siblings: bool = True
     raw_threshold_bytes: int = RAW_THRESHOLD_BYTES
+    hot_decode_budget_us: float = HOT_DECODE_BUDGET_US
 
 
 def classify_cheap(page_idx: np.ndarray, pages: np.ndarray, template: TemplateImage,
@@ -187,14 +196,16 @@ class Encoder:
         self._bufs: dict[str, np.ndarray] = {}
 
     def plan(self, page_idx: np.ndarray, pages: np.ndarray, template: TemplateImage,
-             domain: DomainView | None) -> Plan:
+             domain: DomainView | None, hot: np.ndarray | None = None) -> Plan:
+        """Plan every page; ``hot`` (bool per page, optional) marks the pages held to the hot
+        decode budget."""
         page_idx = np.asarray(page_idx, dtype=np.int64)
         pages = np.ascontiguousarray(pages, dtype=np.uint8).reshape(len(page_idx), PAGE_SIZE)
         n = len(page_idx)
         kind = classify_cheap(page_idx, pages, template, self._scratch("classify", CLASSIFY_CHUNK_PAGES))
         target = np.zeros(n, dtype=np.uint8)
         ref = np.zeros(n, dtype=np.int64)
-        plan = Plan(page_idx, kind, target, ref, tries={"zstd": 0, "xor": 0, "prefix": 0, "sdelta": 0})
+        plan = Plan(page_idx, kind, target, ref, tries={"zstd": 0, "xor": 0, "prefix": 0, "sdelta": 0, "lz4": 0})
         rest = np.flatnonzero(kind == int(Kind.RAW))
         if len(rest) == 0:
             return plan
@@ -213,11 +224,21 @@ class Encoder:
             undecided[h] = False
 
         # -- DUP of a blob of the domain (confirmed by decoding it) ---------------------------
+        hot_rows = None if hot is None else np.asarray(hot, dtype=bool)[rest]
+        hot_budget = self.opt.hot_decode_budget_us
         if domain is not None and self.opt.use_siblings:
             cand = np.flatnonzero(undecided)
             bid = domain.find_dups(key[cand])
             for j in np.flatnonzero(bid >= 0).tolist():
                 i = int(cand[j])
+                b = int(bid[j])
+                if (hot_rows is not None and hot_rows[i] and domain.blob_decode_cost_us(b) > hot_budget
+                        and not domain.blob_shared(b)):
+                    # A hot page whose only copy is a slow-to-decode blob (typically its own
+                    # entry from an earlier wait, encoded while it was cold, which this encode
+                    # replaces and frees): re-encode it for the hot budget. A blob that other
+                    # pages share is kept: its memory saving beats the decode time.
+                    continue
                 if np.array_equal(domain.blob_page(int(bid[j])), pages[rest[i]]):
                     kind[rest[i]] = int(Kind.DUP)
                     target[rest[i]] = T_BLOB
@@ -238,6 +259,10 @@ class Encoder:
 
         # -- per-page codecs for the unique pages --------------------------------------------
         uniq = np.flatnonzero(undecided)
+        if hot is not None and DECODE_COST_US[Method.LZ4] <= self.opt.hot_decode_budget_us:
+            is_hot = np.asarray(hot, dtype=bool)[rest[uniq]]
+            self._encode_hot(plan, pages, rest, key, check, uniq[is_hot])
+            uniq = uniq[~is_hot]
         self._encode_unique(plan, pages, rest, key, check, uniq, template, domain)
         plan.blobs = NewBlobs.concat(plan.parts)
         plan.parts = []
@@ -258,6 +283,46 @@ class Encoder:
         if buf is None or len(buf) < rows:
             buf = self._bufs[name] = np.zeros((rows, PAGE_SIZE), dtype=np.uint8)
         return buf[:rows]
+
+    def _encode_hot(self, plan: Plan, pages: np.ndarray, rest: np.ndarray, key: np.ndarray,
+                    check: np.ndarray, uniq: np.ndarray) -> None:
+        """Encode the unique hot pages ``pages[rest[uniq]]``: LZ4 alone (RAW above the threshold)."""
+        z = self.zstd
+        raw_limit = self.opt.raw_threshold_bytes
+        for s in range(0, len(uniq), UNIQUE_CHUNK_PAGES):
+            chunk = uniq[s:s + UNIQUE_CHUNK_PAGES]
+            m = len(chunk)
+            prow_all = rest[chunk]
+            up = self._scratch("up", m)
+            np.take(pages, prow_all, axis=0, out=up)
+            fps = sample_fingerprints(up)
+            res = None
+            if z.native is not None and NATIVE_LZ4:
+                flags = np.full(m, F_LZ4, dtype=np.uint8)
+                res = z.encode_batch(m, up, up, up, up, up, flags, TINY_DELTA_BYTES, DELTA_MIN_GAIN_BYTES,
+                                     SMALL_ENOUGH_BYTES, raw_limit, lz4page.HOT_LZ4_LEVEL)
+            if res is not None:
+                out, _off, length, choice, tries = res
+                plan.tries["lz4"] += int(tries[4])
+                keep = choice != C_RAW
+                payload = out[:int(length[keep].sum())].tobytes()
+                lens = length[keep].astype(np.uint32)
+            else:
+                pays = [lz4page.compress_addr(up.ctypes.data + i * PAGE_SIZE) for i in range(m)]
+                plan.tries["lz4"] += m
+                keep = np.array([len(p) <= raw_limit for p in pays], dtype=bool)
+                payload = b"".join(p for p, k in zip(pays, keep.tolist()) if k)
+                lens = np.array([len(p) for p, k in zip(pays, keep.tolist()) if k], dtype=np.uint32)
+            plan.kind[prow_all[~keep]] = _K_RAW
+            if not keep.any():
+                continue
+            prows = prow_all[keep]
+            rows = chunk[keep]
+            n = len(prows)
+            plan.kind[prows] = _K_LZ4
+            plan.add_blobs(NewBlobs(prows, np.full(n, _M_LZ4, np.uint8), np.full(n, _R_NONE, np.uint8),
+                                    np.zeros(n, np.int64), key[rows], check[rows], lens, fps[keep],
+                                    np.ones(n, dtype=bool), payload))
 
     def _encode_unique(self, plan: Plan, pages: np.ndarray, rest: np.ndarray, key: np.ndarray,
                        check: np.ndarray, uniq: np.ndarray, template: TemplateImage,

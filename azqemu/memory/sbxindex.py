@@ -115,9 +115,11 @@ class SandboxIndex:
             if v == _MAP_TEMPLATE:
                 return int(Kind.TEMPLATE), 0, 0
         pages = self.page
-        if len(pages) == 0:
+        if len(pages) == 0 or not 0 <= page_idx <= 0xFFFFFFFF:
             return None
-        e = int(pages.searchsorted(page_idx))
+        # The needle in the array's own dtype: a Python int makes numpy cast the whole u4
+        # array to int64 first (O(n): 3.5 us at 5k entries, 25 us at 100k, on every fault).
+        e = int(pages.searchsorted(np.uint32(page_idx)))
         if e < len(pages) and int(pages[e]) == page_idx:
             return int(self.kind[e]), int(self.flags[e]), int(self.ref[e])
         return None
@@ -163,7 +165,8 @@ class SandboxIndex:
         if len(self.page):
             if (np.diff(self.page.astype(np.int64)) <= 0).any():
                 return "entries not sorted"
-            if not np.isin(self.kind, (int(Kind.DUP), int(Kind.TDELTA), int(Kind.SDELTA), int(Kind.ZSTD))).all():
+            if not np.isin(self.kind, (int(Kind.DUP), int(Kind.TDELTA), int(Kind.SDELTA), int(Kind.ZSTD),
+                                        int(Kind.LZ4))).all():
                 return "bad entry kind"
             inside = self.page.astype(np.int64) < len(vals)
             if (vals[self.page[inside].astype(np.int64)] != 0).any():

@@ -123,9 +123,12 @@ class _Sandbox:
 class _DomainView:
     """The encoder's window on one domain (encoder.DomainView)."""
 
-    def __init__(self, store: PageStore, d: DomainState, template: TemplateImage) -> None:
+    def __init__(self, store: PageStore, d: DomainState, template: TemplateImage,
+                 own_refs: np.ndarray | None = None) -> None:
         self.store, self.d, self.template = store, d, template
         self.cache: dict[int, np.ndarray] = {}
+        # Blob ids the encoding sandbox references now (sorted): its old entries.
+        self.own_refs = np.unique(own_refs) if own_refs is not None else np.zeros(0, np.uint32)
 
     def find_dups(self, key: np.ndarray) -> np.ndarray:
         with self.store._lock:
@@ -145,6 +148,13 @@ class _DomainView:
 
     def blob_decode_cost_us(self, blob_id: int) -> float:
         return DECODE_COST_US[Method(int(self.store._table.rows["method"][blob_id]))]
+
+    def blob_shared(self, blob_id: int) -> bool:
+        """Whether anything but one old entry of the encoding sandbox holds the blob."""
+        if int(self.store._table.rows["refcount"][blob_id]) > 1:
+            return True
+        i = int(np.searchsorted(self.own_refs, blob_id))
+        return not (i < len(self.own_refs) and int(self.own_refs[i]) == blob_id)
 
     def blob_is_base(self, blob_id: int) -> bool:
         rows = self.store._table.rows
@@ -227,11 +237,14 @@ class PageStore:
 
     # ------------------------------------------------------------------ encode
     def encode(self, sandbox: str, domain: str, page_idx: np.ndarray, pages: np.ndarray,
-               template: TemplateImage, *, use_siblings: bool = True) -> EncodeResult:
+               template: TemplateImage, *, use_siblings: bool = True,
+               hot: np.ndarray | None = None) -> EncodeResult:
         """Encode resident pages of ``sandbox`` (a member of sharing ``domain``).
 
         Pages already stored for this sandbox are replaced. Returns the counts and the page
         indices that are now stored (punch them) or left RAW (keep them resident).
+        ``hot`` (optional, bool per page) marks pages the next resume will want first: those
+        that need a codec get the cheap-to-decode one (Kind.LZ4, see kinds.HOT_DECODE_BUDGET_US).
         """
         if not _NAME_OK.match(sandbox) or not _NAME_OK.match(domain):
             raise StoreError("sandbox and domain names must be 1-1024 characters without NUL")
@@ -241,6 +254,10 @@ class PageStore:
             raise StoreError("page index out of range")
         if len(np.unique(page_idx)) != len(page_idx):
             raise StoreError("duplicate page indices in one encode")
+        if hot is not None:
+            hot = np.asarray(hot, dtype=bool)
+            if hot.shape != page_idx.shape:
+                raise StoreError("hot must hold one flag per page")
         t0 = time.perf_counter()
         c0 = time.thread_time()
         with self._encode_lock:
@@ -254,11 +271,14 @@ class PageStore:
                     raise StoreError(f"domain {domain!r} is bound to another template")
                 self._table.reclaim()
             opts = EncoderOptions(self._options.effort, self._options.decode_budget_us, use_siblings,
-                                  self._options.raw_threshold_bytes)
+                                  self._options.raw_threshold_bytes, self._options.hot_decode_budget_us)
             encoder = Encoder(self.zstd, opts)
             for _attempt in range(3):
-                view = _DomainView(self, d, template)
-                plan = encoder.plan(page_idx, pages, template, view)
+                with self._lock:
+                    old = self._sandboxes.get(sandbox)
+                    own = old.index.blob_refs().copy() if old is not None and hot is not None else None
+                view = _DomainView(self, d, template, own)
+                plan = encoder.plan(page_idx, pages, template, view, hot)
                 with self._lock:
                     if self._plan_still_valid(plan):
                         result = self._commit(sandbox, d, template, plan)
@@ -335,7 +355,7 @@ class PageStore:
         nbytes = {k.name: 0 for k in Kind}
         if n_new:
             per_kind = np.bincount(kind[nb.prow], weights=nb.length, minlength=len(Kind))
-            for k in (Kind.TDELTA, Kind.SDELTA, Kind.ZSTD):
+            for k in (Kind.TDELTA, Kind.SDELTA, Kind.ZSTD, Kind.LZ4):
                 nbytes[k.name] = int(per_kind[int(k)])
         nbytes["RAW"] = int(counts[int(Kind.RAW)]) * PAGE_SIZE
         return EncodeResult(sandbox, d.name, {k.name: int(counts[int(k)]) for k in Kind}, nbytes,
@@ -446,13 +466,18 @@ class PageStore:
             m_blob = ~m_tpl & ~m_dupt & (kind != _KIND_ZERO)
             blobs, first, inverse = np.unique(ref[m_blob], return_index=True, return_inverse=True)
             batch = read_batch(self._table, self._arenas, blobs)
-        # One gather fills every row: template rows from the template, everything else from the
-        # template's zero row (ZERO pages are done; blob rows are overwritten below).
-        src = np.full(n, template.zero_row, dtype=np.int64)
+        # Template rows are gathered from the template, ZERO rows zero-filled; blob rows are
+        # written by the decoder below (a hot set is mostly blobs: no gather for them).
         t_any = m_tpl | m_dupt
-        if t_any.any():
-            src[t_any] = template.rows_z(np.where(m_tpl[t_any], page_idx[t_any], ref[t_any]))
-        np.take(template.pages_z, src, axis=0, out=out)
+        src = np.full(n, template.zero_row, dtype=np.int64)
+        if t_any.all():
+            src = template.rows_z(np.where(m_tpl, page_idx, ref))
+            np.take(template.pages_z, src, axis=0, out=out)
+        elif t_any.any():
+            tr = np.flatnonzero(t_any)
+            src[tr] = template.rows_z(np.where(m_tpl[tr], page_idx[tr], ref[tr]))
+            out[tr] = template.pages_z[src[tr]]
+        out[kind == _KIND_ZERO] = 0
         # Template-derived rows are verified by hashing: the template is trusted only as far as
         # its load-time hashes.
         trows = np.flatnonzero(t_any & (src != template.zero_row))
@@ -688,7 +713,7 @@ class PageStore:
         live = rows["refcount"] > 0
         lv = rows[live]
         if len(lv):
-            if (lv["method"] > 2).any() or (lv["reftype"] > 2).any():
+            if (lv["method"] > int(Method.LZ4)).any() or (lv["reftype"] > 2).any():
                 raise StoreCorrupt(str(path), "unknown blob method or reference type")
             if (lv["length"] == 0).any() or (lv["length"] > PAGE_SIZE + 128).any():
                 raise StoreCorrupt(str(path), "blob length out of bounds")

@@ -87,9 +87,22 @@ def _load_libzstd() -> Any | None:
 _LIB = _load_libzstd()
 
 # The optional C loops (_pagecodec.c, built by the Makefile). Flags and choices mirror the C enums.
-F_XOR_T, F_PREFIX_T, F_XOR_S, F_PREFIX_S, F_HAS_S = 1, 2, 4, 8, 16
-C_ZSTD, C_XOR_T, C_PREFIX_T, C_XOR_S, C_PREFIX_S, C_RAW = 0, 1, 2, 3, 4, 255
-NATIVE_ABI = 1
+F_XOR_T, F_PREFIX_T, F_XOR_S, F_PREFIX_S, F_HAS_S, F_LZ4 = 1, 2, 4, 8, 16, 32
+C_ZSTD, C_XOR_T, C_PREFIX_T, C_XOR_S, C_PREFIX_S, C_LZ4, C_RAW = 0, 1, 2, 3, 4, 5, 255
+NATIVE_ABI = 2
+
+
+def _xxh3_128_address() -> int:
+    """XXH3_128bits of the system's libxxhash.so.0 (the C loops verify pages with it), or 0."""
+    name = ctypes.util.find_library("xxhash") or "libxxhash.so.0"
+    try:
+        lib = ctypes.CDLL(name)
+        return ctypes.cast(lib.XXH3_128bits, ctypes.c_void_p).value or 0
+    except (OSError, AttributeError):
+        return 0
+
+
+_HELPERS = 0       # what azq_set_helpers reported: 1 LZ4, 2 XXH3, 4 LZ4 HC
 
 
 def _load_native() -> Any | None:
@@ -105,15 +118,43 @@ def _load_native() -> Any | None:
             return None
         lib.azq_encode_batch.restype = ctypes.c_long
         lib.azq_encode_batch.argtypes = [_V, _I, _V, _V, _V, _V, _V, _V, ctypes.c_long, ctypes.c_long,
-                                         ctypes.c_long, ctypes.c_long, _V, _S, _V, _V, _V, _V]
+                                         ctypes.c_long, ctypes.c_long, _I, _V, _S, _V, _V, _V, _V]
         lib.azq_decode_batch.restype = ctypes.c_long
-        lib.azq_decode_batch.argtypes = [_V, _I, _V, _V, _V, _V, _V, _V, _V]
+        lib.azq_decode_batch.argtypes = [_V, _I, _V, _V, _V, _V, _V, _V, _V, _V]
+        lib.azq_page_checks.restype = _I
+        lib.azq_page_checks.argtypes = [_I, _V, _V, _V]
+        lib.azq_gather.restype = None
+        lib.azq_gather.argtypes = [_I, _V, _V, _V]
+        lib.azq_set_helpers.restype = _I
+        lib.azq_set_helpers.argtypes = [_V, _V, _V, _I, _V]
+        from azqemu.memory import lz4page
+
+        lz4c, lz4d, lz4hc, hc_bytes = lz4page.function_addresses()
+        xxh = _xxh3_128_address()
+        global _HELPERS
+        _HELPERS = lib.azq_set_helpers(lz4c or None, lz4d or None, lz4hc or None, hc_bytes, xxh or None)
+        # The C checksum must be the store's checksum (pagehash.py): checked once here.
+        if _HELPERS & 2 and not _native_checks_agree(lib):
+            _HELPERS = lib.azq_set_helpers(lz4c or None, lz4d or None, lz4hc or None, hc_bytes, None)
         return lib
     except (OSError, AttributeError):
         return None
 
 
+def _native_checks_agree(lib: Any) -> bool:
+    import xxhash
+
+    page = np.frombuffer(bytes(range(256)) * 16, dtype=np.uint8).copy()
+    got = np.zeros(1, dtype=np.uint64)
+    row = np.zeros(1, dtype=np.int64)
+    lib.azq_page_checks(1, page.ctypes.data, row.ctypes.data, got.ctypes.data)
+    return int(got[0]) == int.from_bytes(xxhash.xxh3_128_digest(page.data)[8:], "little")
+
+
 _NATIVE = _load_native()
+# What the C loops can do beyond zstd: LZ4 pages (bit 1), verify checksums (bit 2).
+NATIVE_LZ4 = bool(_NATIVE is not None and (_HELPERS & 5) == 5)
+NATIVE_CHECKS = bool(_NATIVE is not None and _HELPERS & 2)
 
 
 class _CtxPair:
@@ -240,38 +281,44 @@ class PageZstd:
 
     # -- batch loops in C (see _pagecodec.c) -------------------------------------------------
     def encode_batch(self, m: int, up: np.ndarray, tp: np.ndarray, xp: np.ndarray, sp: np.ndarray,
-                     sxp: np.ndarray, flags: np.ndarray, tiny: int, gain: int, small: int, raw_limit: int
-                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+                     sxp: np.ndarray, flags: np.ndarray, tiny: int, gain: int, small: int, raw_limit: int,
+                     lz4_level: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
         """Run the attempts of ``m`` pages in C: (out, off, length, choice, tries) or None on failure."""
         ctx = self._ctx()
         out = np.empty(m * BOUND_BYTES, dtype=np.uint8)
         off = np.empty(m, dtype=np.uint32)
         length = np.empty(m, dtype=np.uint16)
         choice = np.empty(m, dtype=np.uint8)
-        tries = np.zeros(4, dtype=np.uint64)
+        tries = np.zeros(5, dtype=np.uint64)
         flags = np.ascontiguousarray(flags, dtype=np.uint8)
         assert self.native is not None
         used = self.native.azq_encode_batch(
             ctx.cctx, m, up.ctypes.data, tp.ctypes.data, xp.ctypes.data, sp.ctypes.data, sxp.ctypes.data,
-            flags.ctypes.data, tiny, gain, small, raw_limit, out.ctypes.data, out.nbytes, off.ctypes.data,
+            flags.ctypes.data, tiny, gain, small, raw_limit, lz4_level, out.ctypes.data, out.nbytes, off.ctypes.data,
             length.ctypes.data, choice.ctypes.data, tries.ctypes.data)
         if used < 0:
             return None
         return out, off, length, choice, tries
 
-    def decode_batch(self, payload: bytes, src_off: np.ndarray, src_len: np.ndarray, method: np.ndarray,
-                     ref_addr: np.ndarray, dst: np.ndarray, dst_row: np.ndarray) -> int:
-        """Decode payloads into ``dst`` rows in C; -1 on success, else the first bad index."""
+    def decode_batch(self, payload: bytes | np.ndarray, src_off: np.ndarray, src_len: np.ndarray, method: np.ndarray,
+                     ref_addr: np.ndarray, dst: np.ndarray, dst_row: np.ndarray,
+                     check: np.ndarray | None = None) -> int:
+        """Decode payloads into ``dst`` rows in C (the GIL is released meanwhile): -1 on
+        success, i if payload i is not a page frame, -(i + 2) if page i fails ``check`` (given
+        only when NATIVE_CHECKS; else the caller verifies)."""
         ctx = self._ctx()
         src_off = np.ascontiguousarray(src_off, dtype=np.uint32)
         src_len = np.ascontiguousarray(src_len, dtype=np.uint32)
         method = np.ascontiguousarray(method, dtype=np.uint8)
         ref_addr = np.ascontiguousarray(ref_addr, dtype=np.uint64)
         dst_row = np.ascontiguousarray(dst_row, dtype=np.int64)
+        chk = None if check is None else np.ascontiguousarray(check, dtype=np.uint64)
         assert self.native is not None
-        return int(self.native.azq_decode_batch(ctx.dctx, len(src_off), payload, src_off.ctypes.data,
+        src = payload.ctypes.data if isinstance(payload, np.ndarray) else payload
+        return int(self.native.azq_decode_batch(ctx.dctx, len(src_off), src, src_off.ctypes.data,
                                                 src_len.ctypes.data, method.ctypes.data, ref_addr.ctypes.data,
-                                                dst.ctypes.data, dst_row.ctypes.data))
+                                                dst.ctypes.data, dst_row.ctypes.data,
+                                                None if chk is None else chk.ctypes.data))
 
 
 def native_available() -> bool:
