@@ -198,21 +198,24 @@ class SandboxMemory:
             st.resident_pages = len(idx)
             st.scan_s = time.perf_counter() - t0
             self._check_cancel()
-            t1 = time.perf_counter()
-            res = self.store.encode(self.name, self.sharing_domain, idx, pages, self.template,
-                                    use_siblings=self.use_siblings)
-            del pages
-            st.encode_s = time.perf_counter() - t1
-            st.pages_by_kind, st.bytes_by_kind = dict(res.pages), dict(res.bytes)
-            st.stored_pages, st.raw_pages = len(res.stored_idx), len(res.raw_idx)
             # The hot set of the phase that just ended: every page that came back since the
             # last resume, by a fault (touched, read or written: MISSING faults on both) or by
             # the prefetch (it did not fault because it was already there). Without the
             # second part the set would flip between two halves from one wait to the next.
             # Prefetched pages that went untouched cannot be told apart here (no idle-page
             # tracking in this kernel), so the set is the union of the working sets seen.
+            # It is known before encoding: the next resume puts these pages back before the
+            # vCPUs continue, so the store encodes them for decode speed (PageStore.encode's hot).
             faulted = self.handler.hot_pages(self._block_index).astype(np.int64)
-            self.hot_idx = np.union1d(faulted, self._prefetched_idx)
+            hot_idx = np.union1d(faulted, self._prefetched_idx)
+            t1 = time.perf_counter()
+            res = self.store.encode(self.name, self.sharing_domain, idx, pages, self.template,
+                                    use_siblings=self.use_siblings, hot=np.isin(idx, hot_idx))
+            del pages
+            st.encode_s = time.perf_counter() - t1
+            st.pages_by_kind, st.bytes_by_kind = dict(res.pages), dict(res.bytes)
+            st.stored_pages, st.raw_pages = len(res.stored_idx), len(res.raw_idx)
+            self.hot_idx = hot_idx
             self._prefetched_idx = np.empty(0, dtype=np.int64)
             self.handler.reset_hot()
             st.hot_pages = len(self.hot_idx)
