@@ -267,6 +267,56 @@ def test_prefetch_runs_and_partial_copies(ram: Ram) -> None:
         assert ram.read(i) == pattern(i), i
 
 
+class _FailingSource:
+    """Bulk source that fails (raises, or asks to retry) on its ``fail_at``-th chunk."""
+
+    def __init__(self, inner: StoreSource, fail_at: int, how: str) -> None:
+        self.inner, self.fail_at, self.how = inner, fail_at, how
+        self.calls = 0
+        self.threads: set[str] = set()
+
+    def fill(self, offset: int, out: memoryview) -> bool:
+        return self.inner.fill(offset, out)
+
+    def fill_pages(self, offsets: np.ndarray, out: memoryview) -> bool:
+        self.calls += 1
+        self.threads.add(threading.current_thread().name)
+        if self.calls == self.fail_at:
+            if self.how == "raise":
+                raise PageUnavailable(int(offsets[0]), "damaged")
+            return False
+        return self.inner.fill_pages(offsets, out)
+
+
+@pytest.mark.parametrize("how", ["raise", "retry"])
+def test_pipelined_prefetch_stops_at_a_failing_chunk(ram: Ram, how: str) -> None:
+    """Chunk k+1 decodes in a helper thread while chunk k is copied; a failure there surfaces
+    from prefetch() after the earlier chunks were placed, and nothing of the failed chunk is."""
+    ram.save_and_punch(range(PAGES))
+    src = _FailingSource(StoreSource(ram.store, "sb"), fail_at=3, how=how)
+    with FaultHandler(ram.handle, StoreSource(ram.store, "sb")) as h:
+        with Prefetcher(ram.handle.uffd, chunk_bytes=16 * PS) as p, pytest.raises(PageUnavailable):
+            p.prefetch(ram.block, range(PAGES), src)
+        assert src.calls == 3 and any(t.startswith("azq-prefetch") for t in src.threads)
+        faults = h.stats().faults
+        for i in range(32):                      # chunks 1 and 2 were placed
+            assert ram.read(i) == pattern(i), i
+        assert h.stats().faults == faults
+        assert ram.read(40) == pattern(40)       # chunk 3 was not: it faults and is served
+        assert h.stats().faults == faults + 1
+
+
+def test_pipelined_prefetch_places_everything(ram: Ram) -> None:
+    ram.save_and_punch(range(PAGES))
+    src = StoreSource(ram.store, "sb")
+    with Prefetcher(ram.handle.uffd, chunk_bytes=16 * PS) as p:
+        res = p.prefetch(ram.block, np.arange(PAGES)[::-1], src)
+    assert (res.pages_requested, res.pages_copied, res.pages_present) == (PAGES, PAGES, 0)
+    assert res.decode_s > 0 and res.copy_s > 0
+    for i in range(PAGES):
+        assert ram.read(i) == pattern(i), i
+
+
 def test_prefetch_rejects_bad_indices(ram: Ram) -> None:
     with Prefetcher(ram.handle.uffd, chunk_bytes=PS) as p, pytest.raises(PageUnavailable):
         p.prefetch(ram.block, [PAGES], ZeroSource())
