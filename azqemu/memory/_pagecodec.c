@@ -34,9 +34,10 @@ unsigned ZSTD_isError(size_t code);
 
 /* Attempt flags per page (set by encoder.py) and the choices reported back. */
 enum { F_XOR_T = 1, F_PREFIX_T = 2, F_XOR_S = 4, F_PREFIX_S = 8, F_HAS_S = 16, F_LZ4 = 32 };
-enum { C_ZSTD = 0, C_XOR_T = 1, C_PREFIX_T = 2, C_XOR_S = 3, C_PREFIX_S = 4, C_LZ4 = 5, C_RAW = 255 };
+enum { C_ZSTD = 0, C_XOR_T = 1, C_PREFIX_T = 2, C_XOR_S = 3, C_PREFIX_S = 4, C_LZ4 = 5, C_LZ4_XOR_T = 6,
+       C_LZ4_XOR_S = 7, C_RAW = 255 };
 /* Decode methods: numbering of azqemu.memory.kinds.Method. */
-enum { M_ZSTD = 0, M_XOR = 1, M_PREFIX = 2, M_LZ4 = 3 };
+enum { M_ZSTD = 0, M_XOR = 1, M_PREFIX = 2, M_LZ4 = 3, M_LZ4_XOR = 4 };
 
 int azq_pagecodec_abi(void) { return 2; }
 
@@ -133,15 +134,29 @@ static long azq_encode_loop(ZSTD_CCtx *cctx, int m, const uint8_t *up, const uin
         int ch = C_ZSTD;
         uint8_t f = flags[i];
         if (f & F_LZ4) {
-            /* A page on the decode-cost diet (hot set): LZ4 alone, ~5x cheaper to decode. */
+            /* A page on the decode-cost diet (hot set): LZ4 (~5x cheaper to decode than zstd),
+             * of the page, or of its XOR with the same-address template page (F_XOR_T) or with
+             * the SDELTA reference (F_XOR_S); a delta must beat the page by `gain` bytes. */
+            const uint8_t *srcs[3] = {up + off, (f & F_XOR_T) ? xp + off : NULL, (f & F_XOR_S) ? sxp + off : NULL};
+            const int chs[3] = {C_LZ4, C_LZ4_XOR_T, C_LZ4_XOR_S};
             if (!hc_state && !lz4_compress)
                 return -1;
-            n = hc_state ? lz4_hc(hc_state, (const char *)(up + off), (char *)cur, PAGE, BOUND, lz4_level)
-                         : lz4_compress((const char *)(up + off), (char *)cur, PAGE, BOUND);
-            tries[4]++;
-            if (n <= 0)
-                return -1;
-            TAKE(n, C_LZ4);
+            for (int a = 0; a < 3; a++) {
+                if (!srcs[a] || (a > 0 && limit <= small))
+                    continue;
+                n = hc_state ? lz4_hc(hc_state, (const char *)srcs[a], (char *)cur, PAGE, BOUND, lz4_level)
+                             : lz4_compress((const char *)srcs[a], (char *)cur, PAGE, BOUND);
+                tries[4]++;
+                if (n <= 0)
+                    return -1;
+                if (a == 0) {
+                    TAKE(n, C_LZ4);
+                    limit = n - gain;
+                } else if (n < limit) {
+                    TAKE(n, chs[a]);
+                    limit = n;
+                }
+            }
             f = 0;
         }
         else if (f & F_XOR_T) {
@@ -152,7 +167,7 @@ static long azq_encode_loop(ZSTD_CCtx *cctx, int m, const uint8_t *up, const uin
             TAKE(n, C_XOR_T);
             limit = n;
         }
-        if (ch != C_LZ4 && (best_len < 0 || best_len > tiny)) {
+        if (ch < C_LZ4 && (best_len < 0 || best_len > tiny)) {
             n = zc(cctx, cur, up + off, NULL);
             tries[0]++;
             if (n < 0)
@@ -221,12 +236,18 @@ long azq_decode_batch(ZSTD_DCtx *dctx, int k, const uint8_t *src, const uint32_t
         uint8_t *dst = dst_base + (size_t)dst_row[i] * PAGE;
         const uint8_t *r = (const uint8_t *)(uintptr_t)ref[i];
         uint8_t m = method[i];
-        if (m > M_LZ4 || ((m == M_XOR || m == M_PREFIX) && r == NULL))
+        if (m > M_LZ4_XOR || ((m == M_XOR || m == M_PREFIX || m == M_LZ4_XOR) && r == NULL))
             return i;
-        if (m == M_LZ4) {
+        if (m == M_LZ4 || m == M_LZ4_XOR) {
             if (!lz4_decompress || src_len[i] > (uint32_t)BOUND
                 || lz4_decompress((const char *)(src + src_off[i]), (char *)dst, (int)src_len[i], PAGE) != PAGE)
                 return i;
+            if (m == M_LZ4_XOR) {
+                uint64_t *d = (uint64_t *)dst;
+                const uint64_t *rr = (const uint64_t *)r;
+                for (int j = 0; j < PAGE / 8; j++)
+                    d[j] ^= rr[j];
+            }
         } else {
             if (m == M_PREFIX)
                 ZSTD_DCtx_refPrefix(dctx, r, PAGE);

@@ -36,6 +36,7 @@ _ZERO_ARRAY = np.zeros(PAGE_SIZE, dtype=np.uint8)
 _ZERO_ARRAY.flags.writeable = False
 _REFTYPE_BLOB, _REFTYPE_TEMPLATE = int(RefType.BLOB), int(RefType.TEMPLATE)
 _M_ZSTD, _M_XOR, _M_PREFIX, _M_LZ4 = int(Method.ZSTD), int(Method.XOR), int(Method.PREFIX), int(Method.LZ4)
+_M_LZ4_XOR = int(Method.LZ4_XOR)
 _TLS = threading.local()
 T = TypeVar("T")
 # Bulk decodes of at least this many blobs are split in two halves decoded at once, one in a
@@ -139,8 +140,12 @@ def decode_recipe(zstd: PageZstd, r: Recipe, out: np.ndarray, template: Template
         ref_page, ref_addr = _scratch()
         decode_recipe(zstd, r.base, ref_page, template, ref_addr)
     what = f"blob {r.blob}"
-    if r.method == _M_LZ4:
+    if r.method == _M_LZ4 or r.method == _M_LZ4_XOR:
         lz4page.decompress_addr(r.payload, out_addr or out.ctypes.data, what)
+        if r.method == _M_LZ4_XOR:
+            if r.reftype == RefType.NONE:
+                raise StoreCorrupt(what, "LZ4_XOR blob without a reference")
+            np.bitwise_xor(out, ref_page, out=out)
     elif out_addr and zstd.backend == "libzstd":
         zstd.decompress_addr(r.payload, out_addr, ref_addr if r.method == _M_PREFIX else 0, what)
         if r.method == _M_XOR:
@@ -240,8 +245,13 @@ def decode_batch(zstd: PageZstd, b: Batch, template: TemplateImage, out: np.ndar
             frame = bytes(payload[o:o + n])
             if mth == _M_PREFIX:
                 z.decompress_into(frame, out[dst], ref_arr[i], what)
-            elif mth == _M_LZ4:
+            elif mth == _M_LZ4 or mth == _M_LZ4_XOR:
                 lz4page.decompress_into(frame, out[dst], what)
+                if mth == _M_LZ4_XOR:
+                    ra = ref_arr[i]
+                    if ra is None:
+                        raise StoreCorrupt(what, "LZ4_XOR blob without a reference")
+                    np.bitwise_xor(out[dst], ra, out=out[dst])
             elif mth == _M_ZSTD or mth == _M_XOR:
                 z.decompress_into(frame, out[dst], None, what)
                 if mth == _M_XOR:

@@ -13,7 +13,8 @@ Order of decisions, cheapest first:
    cost fits the budget wins; a delta must beat plain zstd by ``DELTA_MIN_GAIN_BYTES`` since it
    pins its reference; above ``RAW_THRESHOLD_BYTES`` the page stays RAW.
    Hot pages (``hot``: the caller's prediction of what the next resume puts back first) that
-   reach this step are held to ``HOT_DECODE_BUDGET_US`` instead: LZ4 of the page alone.
+   reach this step are held to ``HOT_DECODE_BUDGET_US`` instead: LZ4 (high-compression mode)
+   of the page, or of its XOR with the same-address template page or the SDELTA reference.
 
 The encoder only plans; the store commits the plan (arena writes, blob table, references).
 """
@@ -40,6 +41,8 @@ from azqemu.memory.pagehash import page_hashes_rows
 from azqemu.memory.simindex import N_SAMPLES, SimilarityIndex, sample_fingerprints
 from azqemu.memory.template import TemplateImage
 from azqemu.memory.zstdlib import (
+    C_LZ4,
+    C_LZ4_XOR_T,
     C_PREFIX_T,
     C_RAW,
     C_ZSTD,
@@ -82,6 +85,7 @@ SMALL_ENOUGH_BYTES = 64
 _K_ZSTD, _K_TDELTA, _K_SDELTA, _K_RAW = int(Kind.ZSTD), int(Kind.TDELTA), int(Kind.SDELTA), int(Kind.RAW)
 _K_LZ4 = int(Kind.LZ4)
 _M_ZSTD, _M_XOR, _M_PREFIX, _M_LZ4 = int(Method.ZSTD), int(Method.XOR), int(Method.PREFIX), int(Method.LZ4)
+_M_LZ4_XOR = int(Method.LZ4_XOR)
 _R_NONE, _R_TEMPLATE, _R_BLOB = int(RefType.NONE), int(RefType.TEMPLATE), int(RefType.BLOB)
 
 # Plan target kinds (what ``Plan.target`` holds for a page).
@@ -259,11 +263,7 @@ class Encoder:
 
         # -- per-page codecs for the unique pages --------------------------------------------
         uniq = np.flatnonzero(undecided)
-        if hot is not None and DECODE_COST_US[Method.LZ4] <= self.opt.hot_decode_budget_us:
-            is_hot = np.asarray(hot, dtype=bool)[rest[uniq]]
-            self._encode_hot(plan, pages, rest, key, check, uniq[is_hot])
-            uniq = uniq[~is_hot]
-        self._encode_unique(plan, pages, rest, key, check, uniq, template, domain)
+        self._encode_unique(plan, pages, rest, key, check, uniq, template, domain, hot)
         plan.blobs = NewBlobs.concat(plan.parts)
         plan.parts = []
         # Later batch duplicates follow their representative (which may have become RAW).
@@ -284,60 +284,23 @@ class Encoder:
             buf = self._bufs[name] = np.zeros((rows, PAGE_SIZE), dtype=np.uint8)
         return buf[:rows]
 
-    def _encode_hot(self, plan: Plan, pages: np.ndarray, rest: np.ndarray, key: np.ndarray,
-                    check: np.ndarray, uniq: np.ndarray) -> None:
-        """Encode the unique hot pages ``pages[rest[uniq]]``: LZ4 alone (RAW above the threshold)."""
-        z = self.zstd
-        raw_limit = self.opt.raw_threshold_bytes
-        for s in range(0, len(uniq), UNIQUE_CHUNK_PAGES):
-            chunk = uniq[s:s + UNIQUE_CHUNK_PAGES]
-            m = len(chunk)
-            prow_all = rest[chunk]
-            up = self._scratch("up", m)
-            np.take(pages, prow_all, axis=0, out=up)
-            fps = sample_fingerprints(up)
-            res = None
-            if z.native is not None and NATIVE_LZ4:
-                flags = np.full(m, F_LZ4, dtype=np.uint8)
-                res = z.encode_batch(m, up, up, up, up, up, flags, TINY_DELTA_BYTES, DELTA_MIN_GAIN_BYTES,
-                                     SMALL_ENOUGH_BYTES, raw_limit, lz4page.HOT_LZ4_LEVEL)
-            if res is not None:
-                out, _off, length, choice, tries = res
-                plan.tries["lz4"] += int(tries[4])
-                keep = choice != C_RAW
-                payload = out[:int(length[keep].sum())].tobytes()
-                lens = length[keep].astype(np.uint32)
-            else:
-                pays = [lz4page.compress_addr(up.ctypes.data + i * PAGE_SIZE) for i in range(m)]
-                plan.tries["lz4"] += m
-                keep = np.array([len(p) <= raw_limit for p in pays], dtype=bool)
-                payload = b"".join(p for p, k in zip(pays, keep.tolist()) if k)
-                lens = np.array([len(p) for p, k in zip(pays, keep.tolist()) if k], dtype=np.uint32)
-            plan.kind[prow_all[~keep]] = _K_RAW
-            if not keep.any():
-                continue
-            prows = prow_all[keep]
-            rows = chunk[keep]
-            n = len(prows)
-            plan.kind[prows] = _K_LZ4
-            plan.add_blobs(NewBlobs(prows, np.full(n, _M_LZ4, np.uint8), np.full(n, _R_NONE, np.uint8),
-                                    np.zeros(n, np.int64), key[rows], check[rows], lens, fps[keep],
-                                    np.ones(n, dtype=bool), payload))
-
     def _encode_unique(self, plan: Plan, pages: np.ndarray, rest: np.ndarray, key: np.ndarray,
                        check: np.ndarray, uniq: np.ndarray, template: TemplateImage,
-                       domain: DomainView | None) -> None:
+                       domain: DomainView | None, hot: np.ndarray | None = None) -> None:
         """Encode the unique pages ``pages[rest[uniq]]`` into ``plan``."""
+        lz4_ok = DECODE_COST_US[Method.LZ4] <= self.opt.hot_decode_budget_us
+        hot_u = (np.asarray(hot, dtype=bool)[rest[uniq]] if hot is not None and lz4_ok
+                 else np.zeros(len(uniq), dtype=bool))
         sim_b = domain.sim_index() if (domain is not None and self.opt.use_siblings) else None
         sim_t = template.simindex()
         assert isinstance(sim_t, SimilarityIndex)
         for s in range(0, len(uniq), UNIQUE_CHUNK_PAGES):
             self._encode_chunk(plan, pages, rest, key, check, uniq[s:s + UNIQUE_CHUNK_PAGES], template,
-                               domain, sim_t, sim_b)
+                               domain, sim_t, sim_b, hot_u[s:s + UNIQUE_CHUNK_PAGES])
 
     def _encode_chunk(self, plan: Plan, pages: np.ndarray, rest: np.ndarray, key: np.ndarray,
                       check: np.ndarray, uniq: np.ndarray, template: TemplateImage, domain: DomainView | None,
-                      sim_t: SimilarityIndex, sim_b: SimilarityIndex | None) -> None:
+                      sim_t: SimilarityIndex, sim_b: SimilarityIndex | None, hot: np.ndarray) -> None:
         opt = self.opt
         z = self.zstd
         budget = opt.decode_budget_us
@@ -388,25 +351,29 @@ class Encoder:
 
         try_prefix_t = has_t if opt.effort >= 2 else related_t
         c_x, c_p = DECODE_COST_US[Method.XOR], DECODE_COST_US[Method.PREFIX]
-        if z.native is not None:
+        # Hot pages: LZ4 attempts only, deltas when the reference decodes within the hot budget.
+        hot_xor_t = hot & do_xor_t
+        hot_xor_s = hot & do_xor_s & (DECODE_COST_US[Method.LZ4_XOR] + s_cost <= opt.hot_decode_budget_us)
+        if z.native is not None and (NATIVE_LZ4 or not hot.any()):
             flags = ((do_xor_t & (c_x <= budget)) * F_XOR_T
                      | (try_prefix_t & (c_p <= budget)) * F_PREFIX_T
                      | has_s * F_HAS_S
                      | (do_xor_s & (c_x + s_cost <= budget)) * F_XOR_S
                      | (has_s & (c_p + s_cost <= budget)) * F_PREFIX_S).astype(np.uint8)
+            flags[hot] = (F_LZ4 | hot_xor_t * F_XOR_T | hot_xor_s * F_XOR_S)[hot]
             res = z.encode_batch(m, up, tpages, xpages, sref, spx, flags, TINY_DELTA_BYTES, DELTA_MIN_GAIN_BYTES,
-                                 SMALL_ENOUGH_BYTES, opt.raw_threshold_bytes)
+                                 SMALL_ENOUGH_BYTES, opt.raw_threshold_bytes, lz4page.HOT_LZ4_LEVEL)
             if res is not None:
                 self._take_native(plan, res, uniq, prow_all, pidx, key, check, fps, s_kind, s_ref)
                 return
         self._python_loop(plan, up, tpages, xpages, sref, spx, do_xor_t, try_prefix_t, has_s, do_xor_s,
-                          s_kind, s_ref, s_cost, pidx, uniq, prow_all, key, check, fps)
+                          s_kind, s_ref, s_cost, pidx, uniq, prow_all, key, check, fps, hot, hot_xor_t, hot_xor_s)
 
     def _take_native(self, plan: Plan, res: tuple[np.ndarray, ...], uniq: np.ndarray, prow_all: np.ndarray,
                      pidx: np.ndarray, key: np.ndarray, check: np.ndarray, fps: np.ndarray, s_kind: np.ndarray,
                      s_ref: np.ndarray) -> None:
         out, off, length, choice, tries = res
-        for name, v in zip(("zstd", "xor", "prefix", "sdelta"), tries.tolist()):
+        for name, v in zip(("zstd", "xor", "prefix", "sdelta", "lz4"), tries.tolist()):
             plan.tries[name] += int(v)
         raw = choice == C_RAW
         plan.kind[prow_all[raw]] = _K_RAW
@@ -415,11 +382,14 @@ class Encoder:
             return
         ch = choice[keep].astype(np.int64)
         # choice -> (kind, method, reftype, ref), vectorised
-        k_of = np.array([_K_ZSTD, _K_TDELTA, _K_TDELTA, _K_SDELTA, _K_SDELTA], dtype=np.uint8)
-        m_of = np.array([_M_ZSTD, _M_XOR, _M_PREFIX, _M_XOR, _M_PREFIX], dtype=np.uint8)
+        k_of = np.array([_K_ZSTD, _K_TDELTA, _K_TDELTA, _K_SDELTA, _K_SDELTA, _K_LZ4, _K_TDELTA, _K_SDELTA],
+                        dtype=np.uint8)
+        m_of = np.array([_M_ZSTD, _M_XOR, _M_PREFIX, _M_XOR, _M_PREFIX, _M_LZ4, _M_LZ4_XOR, _M_LZ4_XOR], dtype=np.uint8)
         s_rt = np.where(s_kind[keep] == 1, _R_TEMPLATE, _R_BLOB)
-        reftype = np.select([ch == C_ZSTD, ch <= C_PREFIX_T], [_R_NONE, _R_TEMPLATE], s_rt).astype(np.uint8)
-        ref = np.select([ch == C_ZSTD, ch <= C_PREFIX_T], [0, pidx[keep]], s_ref[keep]).astype(np.int64)
+        no_ref = (ch == C_ZSTD) | (ch == C_LZ4)
+        same_t = (ch <= C_PREFIX_T) | (ch == C_LZ4_XOR_T)
+        reftype = np.select([no_ref, same_t], [_R_NONE, _R_TEMPLATE], s_rt).astype(np.uint8)
+        ref = np.select([no_ref, same_t], [0, pidx[keep]], s_ref[keep]).astype(np.int64)
         rows = uniq[keep]
         lens = length[keep].astype(np.uint32)
         # RAW pages take no room in ``out``: the kept payloads are already back to back.
@@ -433,7 +403,7 @@ class Encoder:
                      spx: np.ndarray, do_xor_t: np.ndarray, try_prefix_t: np.ndarray, has_s: np.ndarray,
                      do_xor_s: np.ndarray, s_kind: np.ndarray, s_ref: np.ndarray, s_cost: np.ndarray,
                      pidx: np.ndarray, uniq: np.ndarray, prow_all: np.ndarray, key: np.ndarray, check: np.ndarray,
-                     fps: np.ndarray) -> None:
+                     fps: np.ndarray, hot: np.ndarray, hot_xor_t: np.ndarray, hot_xor_s: np.ndarray) -> None:
         """The per-page attempts in Python (the fallback of _pagecodec.c's azq_encode_batch)."""
         opt = self.opt
         z = self.zstd
@@ -446,6 +416,9 @@ class Encoder:
         do_xor_t_l, has_s_l, do_xor_s_l = do_xor_t.tolist(), has_s.tolist(), do_xor_s.tolist()
         s_kind_l, s_ref_l, s_cost_l = s_kind.tolist(), s_ref.tolist(), s_cost.tolist()
         pidx_l, prow_l = pidx.tolist(), prow_all.tolist()
+        hot_l, hot_xor_t_l, hot_xor_s_l = hot.tolist(), hot_xor_t.tolist(), hot_xor_s.tolist()
+        lz4 = lz4page.compress_addr
+        level = lz4page.HOT_LZ4_LEVEL
         tries = plan.tries
         kind = plan.kind
         c_x, c_p = DECODE_COST_US[Method.XOR], DECODE_COST_US[Method.PREFIX]
@@ -456,6 +429,34 @@ class Encoder:
         payloads: list[bytes] = []
         for i in range(m):
             off = i * PAGE_SIZE
+            if hot_l[i]:
+                # Hot: LZ4 of the page, or of an XOR delta that beats it by the gain (as in C).
+                best = lz4(base_up + off, level)
+                tries["lz4"] += 1
+                b_kind, b_method, b_reftype, b_ref = _K_LZ4, _M_LZ4, _R_NONE, 0
+                limit = len(best) - DELTA_MIN_GAIN_BYTES
+                if hot_xor_t_l[i] and limit > SMALL_ENOUGH_BYTES:
+                    pay = lz4(base_x + off, level)
+                    tries["lz4"] += 1
+                    if len(pay) < limit:
+                        best, limit = pay, len(pay)
+                        b_kind, b_method, b_reftype, b_ref = _K_TDELTA, _M_LZ4_XOR, _R_TEMPLATE, pidx_l[i]
+                if hot_xor_s_l[i] and limit > SMALL_ENOUGH_BYTES:
+                    pay = lz4(base_sx + off, level)
+                    tries["lz4"] += 1
+                    if len(pay) < limit:
+                        best, limit = pay, len(pay)
+                        rt = _R_TEMPLATE if s_kind_l[i] == 1 else _R_BLOB
+                        b_kind, b_method, b_reftype, b_ref = _K_SDELTA, _M_LZ4_XOR, rt, s_ref_l[i]
+                prow = prow_l[i]
+                if len(best) > raw_limit:
+                    kind[prow] = _K_RAW
+                    continue
+                kind[prow] = b_kind
+                new_rows.append(i)
+                meta.append((b_method, b_reftype, b_ref))
+                payloads.append(best)
+                continue
             # XOR first when it is promising: a tiny XOR delta makes every other attempt moot.
             best = b""
             if do_xor_t_l[i] and xor_ok:

@@ -43,6 +43,7 @@ class Method(enum.IntEnum):
     XOR = 1           # zstd frame of (page XOR reference)
     PREFIX = 2        # zstd frame compressed with the reference page as raw-content prefix
     LZ4 = 3           # LZ4 block of the page (no reference)
+    LZ4_XOR = 4       # LZ4 block of (page XOR reference)
 
 
 class RefType(enum.IntEnum):
@@ -63,11 +64,12 @@ ENTRY_DTYPE = np.dtype([("page_idx", "<u4"), ("kind", "u1"), ("flags", "u1"), ("
 # Decode cost model in microseconds per page, measured on the development machine
 # (EPYC under a hypervisor, tests/perf/test_codec_perf.py). The encoder refuses a
 # representation whose estimated decode cost exceeds the budget.
-DECODE_COST_US = {Method.ZSTD: 6.0, Method.XOR: 7.0, Method.PREFIX: 7.5, Method.LZ4: 1.3}
+DECODE_COST_US = {Method.ZSTD: 6.0, Method.XOR: 7.0, Method.PREFIX: 7.5, Method.LZ4: 1.3, Method.LZ4_XOR: 1.6}
 DEFAULT_DECODE_BUDGET_US = 20.0
 # Hot pages (touched since the last resume: the next resume prefetches them before the vCPUs
 # continue, and the rest of them fault first) get this budget instead: only LZ4 fits among the
-# codecs (zstd of any level and method costs 4-8 us per page here; LZ4 ~1.2 us). ZERO,
-# TEMPLATE and DUP pages are unaffected. Measured on real guest text pages: bulk decode
+# codecs (zstd of any level and method costs 4-8 us per page here; LZ4 ~1.2 us), of the page or
+# of its XOR with a template page (TDELTA/SDELTA with Method.LZ4_XOR). ZERO, TEMPLATE and DUP
+# pages are unaffected. Measured on real guest text pages: bulk decode
 # ~4x faster for ~35% more bytes on those pages (docs/memory.md, "Hot pages").
 HOT_DECODE_BUDGET_US = 2.0

@@ -88,7 +88,7 @@ _LIB = _load_libzstd()
 
 # The optional C loops (_pagecodec.c, built by the Makefile). Flags and choices mirror the C enums.
 F_XOR_T, F_PREFIX_T, F_XOR_S, F_PREFIX_S, F_HAS_S, F_LZ4 = 1, 2, 4, 8, 16, 32
-C_ZSTD, C_XOR_T, C_PREFIX_T, C_XOR_S, C_PREFIX_S, C_LZ4, C_RAW = 0, 1, 2, 3, 4, 5, 255
+C_ZSTD, C_XOR_T, C_PREFIX_T, C_XOR_S, C_PREFIX_S, C_LZ4, C_LZ4_XOR_T, C_LZ4_XOR_S, C_RAW = 0, 1, 2, 3, 4, 5, 6, 7, 255
 NATIVE_ABI = 2
 
 

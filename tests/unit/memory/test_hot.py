@@ -7,10 +7,20 @@ import pytest
 
 from azqemu.errors import ChecksumMismatch, StoreCorrupt, StoreError
 from azqemu.memory import blobdecode, lz4page, zstdlib
-from azqemu.memory.kinds import PAGE_SIZE, Kind
+from azqemu.memory.kinds import PAGE_SIZE, Kind, Method
 from azqemu.memory.store import PageStore
 
 from .conftest import text_page
+
+
+def _methods(store: PageStore, sandbox: str, idx: np.ndarray) -> np.ndarray:
+    """Blob method of each page (255 for pages without a blob of their own)."""
+    out = np.full(len(idx), 255, dtype=np.uint8)
+    for j, p in enumerate(idx.tolist()):
+        hit = store._sandboxes[sandbox].index.lookup_one(p)
+        if hit is not None and hit[0] in (int(Kind.TDELTA), int(Kind.SDELTA), int(Kind.ZSTD), int(Kind.LZ4)):
+            out[j] = int(store._table.rows["method"][hit[2]])
+    return out
 
 
 def _pages(n: int, seed: int = 0) -> np.ndarray:
@@ -35,9 +45,13 @@ def test_hot_pages_become_lz4_and_decode_exactly(store_dir, small_set, small_tem
         res = store.encode("a", "d", idx, pages, small_template, hot=hot)
         assert res.pages["LZ4"] > 0 and res.bytes["LZ4"] > 0 and res.tries["lz4"] >= res.pages["LZ4"]
         kinds = store.page_kinds("a", idx)
-        # Codec pages that are hot are LZ4; cold ones never are.
-        assert not (kinds[~hot] == int(Kind.LZ4)).any()
-        assert not np.isin(kinds[hot], (int(Kind.ZSTD), int(Kind.TDELTA), int(Kind.SDELTA))).any()
+        # Codec pages that are hot decode with LZ4 (LZ4 kind, or deltas by LZ4_XOR); cold never.
+        assert not (kinds[~hot] == int(Kind.LZ4)).any() and not (kinds[hot] == int(Kind.ZSTD)).any()
+        methods = _methods(store, "a", idx)
+        fresh = np.isin(kinds, (int(Kind.TDELTA), int(Kind.SDELTA), int(Kind.LZ4)))
+        assert np.isin(methods[hot & fresh], (int(Method.LZ4), int(Method.LZ4_XOR))).all()
+        assert not np.isin(methods[~hot & fresh], (int(Method.LZ4), int(Method.LZ4_XOR))).any()
+        assert (methods[hot & fresh] == int(Method.LZ4_XOR)).any()      # some deltas survive
         stored = store.stored_pages("a")
         want = pages[np.searchsorted(idx, stored)]
         np.testing.assert_array_equal(store.decode("a", stored), want)
