@@ -74,8 +74,8 @@ class ResumeStats:
     prefetched_pages: int = 0
     prefetch_s: float = 0.0
     prefetch_mib_s: float = 0.0
-    decode_s: float = 0.0      # of prefetch_s: pages decoded from the store
-    copy_s: float = 0.0        # of prefetch_s: UFFDIO_COPY into QEMU
+    decode_s: float = 0.0      # pages decoded from the store (overlaps copy_s: pipelined)
+    copy_s: float = 0.0        # UFFDIO_COPY into QEMU
     total_s: float = 0.0
 
 
