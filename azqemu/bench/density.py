@@ -129,7 +129,12 @@ def _run_plan(c: Client, names: list[str], plan: list[list[Step]],
         name = names[i]
         for k, step in enumerate(plan[i]):
             t0 = time.monotonic()
-            r = c.call("exec", name=name, argv=["/bin/sh", "-c", step.tool], timeout_s=step.timeout_s)
+            try:
+                r = c.call("exec", name=name, argv=["/bin/sh", "-c", step.tool], timeout_s=step.timeout_s)
+            except AzqemuError as exc:
+                # Recorded as a failed step (the summary counts them), the run goes on.
+                progress(f"  sandbox {i} step {k} failed: {exc}")
+                r = {"exit_code": -1, "stdout_b64": f"error: {exc}"}
             latency = time.monotonic() - t0
             out = r["stdout_b64"].encode()
             with lock:

@@ -354,10 +354,11 @@ class Manager:
             if mem is not None:
                 mem.cancel()  # a compression in progress stops at its next step
             resume: dict[str, Any] = {}
-            if name in self.paused_by_azq:
-                with self.lock(name):
-                    if name in self.paused_by_azq:
-                        resume = self._resume_locked(name, dom, prefetch=st.policy.prefetch if st else True)
+            # Under the lock: a compression that already passed its last phase check may be
+            # pausing the sandbox right now; once it is done (or cancelled) we see its mark.
+            with self.lock(name):
+                if name in self.paused_by_azq:
+                    resume = self._resume_locked(name, dom, prefetch=st.policy.prefetch if st else True)
             state = dom.state()
             if state != "running":
                 raise DomainStateError(name, state, "running")
@@ -473,8 +474,8 @@ class Manager:
             raise ConfigError(f"cannot compress {name!r}: copy-on-write clones are left to Linux "
                               "(KSM, zram); clone with --mode lazy or eager")
         if dom.state() == "running":
-            dom.suspend()
             self.paused_by_azq.add(name)
+            dom.suspend()
         mem = self.mem.get(name)
         if mem is None:
             mem = self._attach_memory(name, rec.sharing_domain, self.templates.get(rec.template),
