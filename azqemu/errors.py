@@ -16,7 +16,8 @@
     │   └── TemplateInUse           (``name``, ``clones``)
     ├── SandboxError
     │   ├── SandboxNotFound         (``name``)
-    │   └── SandboxExists           (``name``)
+    │   ├── SandboxExists           (``name``)
+    │   └── GuestWorkloadError      a benchmark's guest program failed (azqemu.bench.restore_bench)
     ├── QMPError                    a QMP command failed (``error_class``)
     ├── AgentError                  the QEMU guest agent failed
     │   ├── AgentTimeout            no answer within ``timeout_s``
