@@ -38,7 +38,7 @@ from azqemu.memory.store import PageStore
 from azqemu.memory.template import TemplateImage
 from azqemu.restore.export import RamBlock, UffdExport, UffdHandle
 from azqemu.restore.handler import FaultHandler
-from azqemu.restore.prefetch import Prefetcher
+from azqemu.restore.prefetch import Prefetcher, page_runs
 from azqemu.restore.source import CompositeSource, PageSource, StoreSource, TemplateSource, ZeroSource
 
 log = logging.getLogger(__name__)
@@ -78,15 +78,6 @@ class ResumeStats:
     copy_s: float = 0.0        # UFFDIO_COPY into QEMU
     total_s: float = 0.0
 
-
-def _runs(idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Contiguous runs (start page, page count) of a sorted page-index array."""
-    if idx.size == 0:
-        return idx, idx
-    breaks = np.flatnonzero(np.diff(idx) != 1) + 1
-    starts = idx[np.concatenate(([0], breaks))]
-    lengths = np.diff(np.concatenate(([0], breaks, [idx.size])))
-    return starts, lengths
 
 
 class SandboxMemory:
@@ -151,11 +142,15 @@ class SandboxMemory:
     def attach(self) -> None:
         """Register the RAM block and start serving faults (lazy clones: before state load)."""
         with self._lock:
-            if not self.registered:
-                self.handle.register(self.block.hva, self.block.size_bytes)
-                self.registered = True
-            if not self.handler.running:
-                self.handler.start()
+            self._serve()
+
+    def _serve(self) -> None:
+        """Register the RAM block (once) and run the fault handler; the caller holds the lock."""
+        if not self.registered:
+            self.handle.register(self.block.hva, self.block.size_bytes)
+            self.registered = True
+        if not self.handler.running:
+            self.handler.start()
 
     def detach(self) -> None:
         """Stop answering for this RAM: unregister first so no fault is left unserved."""
@@ -187,11 +182,7 @@ class SandboxMemory:
         st = CompressStats()
         t0 = time.perf_counter()
         with self._lock:
-            if not self.registered:
-                self.handle.register(self.block.hva, self.block.size_bytes)
-                self.registered = True
-            if not self.handler.running:
-                self.handler.start()
+            self._serve()
             idx, pages = read_resident_pages(self.ram_fd)
             keep = idx < self.block.page_count
             idx, pages = idx[keep], pages[keep]
@@ -225,7 +216,7 @@ class SandboxMemory:
             t2 = time.perf_counter()
             punched = 0
             try:
-                starts, lengths = _runs(stored)
+                starts, lengths = page_runs(stored)
                 for s, n in zip(starts.tolist(), lengths.tolist(), strict=True):
                     self._check_cancel()
                     self.handle.punch(self.block, s * PAGE_SIZE, n * PAGE_SIZE)

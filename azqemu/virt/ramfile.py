@@ -8,15 +8,15 @@ would allocate its holes, so everything here walks data extents with SEEK_DATA/S
 
 from __future__ import annotations
 
-import errno
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
 from azqemu.config import PAGE_SIZE
 from azqemu.errors import VirtError
+from azqemu.memory.ram import data_extents
+from azqemu.restore.prefetch import page_runs
 
 RAM_BACKEND_ID = "pc.ram"
 # QEMU names the memfd after the backend type ("memory-backend-memfd"), not its id.
@@ -39,24 +39,6 @@ def find_ram_fd(pid: int) -> Path:
         if any(target.startswith(f"/memfd:{n}") for n in RAM_MEMFD_NAMES):
             return entry
     raise VirtError(f"QEMU pid {pid} has no guest RAM memfd")
-
-
-def data_extents(fd: int, size: int | None = None) -> Iterator[tuple[int, int]]:
-    """Yield (offset, length) of every data extent of ``fd`` (holes skipped)."""
-    end = os.fstat(fd).st_size if size is None else size
-    pos = 0
-    while pos < end:
-        try:
-            start = os.lseek(fd, pos, os.SEEK_DATA)
-        except OSError as exc:
-            if exc.errno == errno.ENXIO:  # no data after pos
-                return
-            raise
-        if start >= end:
-            return
-        stop = min(os.lseek(fd, start, os.SEEK_HOLE), end)
-        yield start, stop - start
-        pos = stop
 
 
 def copy_into(src_path: Path, dst_path: Path) -> int:
@@ -95,7 +77,7 @@ def save_sparse(src_path: Path, dst_path: Path, size_bytes: int) -> int:
         try:
             os.ftruncate(dst, size_bytes)
             buf = np.empty(COPY_CHUNK_BYTES, dtype=np.uint8)
-            for off, length in data_extents(src, size_bytes):
+            for off, length in data_extents(src):
                 pos = off
                 while pos < off + length:
                     n = min(COPY_CHUNK_BYTES, off + length - pos)
@@ -105,7 +87,8 @@ def save_sparse(src_path: Path, dst_path: Path, size_bytes: int) -> int:
                         raise VirtError(f"short read from {src_path}")
                     pages = buf[:n].view(np.uint64).reshape(-1, PAGE_SIZE // 8)
                     nonzero = np.flatnonzero(pages.any(axis=1))
-                    for run_start, run_len in _runs(nonzero):
+                    starts, lengths = page_runs(nonzero)
+                    for run_start, run_len in zip(starts.tolist(), lengths.tolist(), strict=True):
                         a, b = run_start * PAGE_SIZE, (run_start + run_len) * PAGE_SIZE
                         os.pwritev(dst, [view[a:b]], pos + a)
                         written += b - a
@@ -116,14 +99,3 @@ def save_sparse(src_path: Path, dst_path: Path, size_bytes: int) -> int:
     finally:
         os.close(src)
     return written
-
-
-def _runs(indices: np.ndarray) -> Iterator[tuple[int, int]]:
-    """Contiguous runs (start, length) in a sorted index array."""
-    if indices.size == 0:
-        return
-    breaks = np.flatnonzero(np.diff(indices) != 1) + 1
-    starts = np.concatenate(([0], breaks))
-    ends = np.concatenate((breaks, [indices.size]))
-    for s, e in zip(starts, ends, strict=True):
-        yield int(indices[s]), int(e - s)
