@@ -34,7 +34,7 @@ from azqemu.sched import policy as policy_mod
 
 log = logging.getLogger(__name__)
 
-SAMPLE_S = 0.5
+SAMPLE_S = 1.0  # the sampler runs beside the workload: sample at 1 Hz, not faster
 KSM_CONVERGE_TIMEOUT_S = 90.0
 DEFAULT_POLICIES = ("none", "none-cow", "linux", "agentzip")
 

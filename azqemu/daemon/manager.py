@@ -65,6 +65,7 @@ log = logging.getLogger(__name__)
 MAX_PARALLEL_CLONES = 2
 MAX_CLONES_PER_REQUEST = 256
 EXEC_DEFAULT_TIMEOUT_S = 300.0
+QEMU_OWN_REFRESH_S = 10.0
 
 
 class Manager:
@@ -85,6 +86,7 @@ class Manager:
         # Sandboxes azqemu itself paused (compressed): a tool call resumes them; a sandbox the
         # user paused stays paused and exec refuses it.
         self.paused_by_azq: set[str] = set()
+        self._qemu_own_cache: dict[str, tuple[int, float, int]] = {}
         mode, why = doctor.restore_mode()
         self.lazy_available = mode == "lazy"
         log.info("restore mode: %s (%s)", mode, why)
@@ -549,27 +551,41 @@ class Manager:
         out: dict[str, Any] = {"name": name, "policy": rec.policy, "ram_mode": rec.ram_mode}
         if pid is None:
             return out | {"owned_bytes": 0, "resident_bytes": 0, "stored_bytes": 0, "qemu_own_bytes": 0}
+        mem = self.mem.get(name)
+        vma: dict[str, int] | None = None
         if rec.ram_mode == "cow":
             start, end = find_guest_ram(pid, backing="ram.img")
-        else:
-            start, end = find_guest_ram(pid, backing="memfd:")
-        vma = hostmem.read_vma_smaps(pid, start, end)
-        if rec.ram_mode == "cow":
-            zram = hostmem.read_zram_total()
-            owned = hostmem.linux_owned_bytes(vma, hostmem.read_ksm(), zram)
+            vma = hostmem.read_vma_smaps(pid, start, end)
+            owned = hostmem.linux_owned_bytes(vma, hostmem.read_ksm(), hostmem.read_zram_total())
             resident = vma.get("Anonymous", 0)
             stored = owned - max(0, resident - vma.get("KSM", 0))
         else:
+            # fstat of the memfd and the store's books: cheap enough to sample often.
             resident = self._resident_bytes(self.host.get_domain(name), rec.ram_mode) or 0
-            mem = self.mem.get(name)
             stored = mem.stored_bytes() if mem is not None else 0
             owned = resident + stored
-        rollup = hostmem.read_smaps_rollup(pid)
-        mem = self.mem.get(name)
         return out | {"owned_bytes": int(owned), "resident_bytes": int(resident), "stored_bytes": int(stored),
-                      "qemu_own_bytes": hostmem.qemu_own_bytes(rollup, vma),
+                      "qemu_own_bytes": self._qemu_own_bytes(name, pid, rec.ram_mode, vma),
                       "compress_s_total": mem.compress_s_total if mem else 0.0,
                       "restore_s_total": mem.restore_s_total if mem else 0.0}
+
+    def _qemu_own_bytes(self, name: str, pid: int, ram_mode: str, vma: dict[str, int] | None) -> int:
+        """QEMU's memory minus guest RAM, refreshed every QEMU_OWN_REFRESH_S: reading a
+        process's smaps walks all its mappings (~2 ms), too much to do for every sandbox at
+        every sample in the process that also serves page faults."""
+        from azqemu.bench import hostmem
+        from azqemu.bench.linux_config import find_guest_ram
+
+        now = time.monotonic()
+        cached = self._qemu_own_cache.get(name)
+        if cached is not None and cached[0] == pid and now - cached[1] < QEMU_OWN_REFRESH_S:
+            return cached[2]
+        if vma is None:
+            start, end = find_guest_ram(pid, backing="ram.img" if ram_mode == "cow" else "memfd:")
+            vma = hostmem.read_vma_smaps(pid, start, end)
+        value = hostmem.qemu_own_bytes(hostmem.read_smaps_rollup(pid), vma)
+        self._qemu_own_cache[name] = (pid, now, value)
+        return value
 
     def op_owned(self, names: list[str] | None = None) -> dict[str, Any]:
         """Owned bytes of sandboxes (all by default), the store's total and the manager's RSS."""
