@@ -49,6 +49,7 @@ class StepResult:
     output_sha: str
     resume_s: float = 0.0
     prefetched_pages: int = 0
+    error: str = ""
 
 
 @dataclass
@@ -134,13 +135,13 @@ def _run_plan(c: Client, names: list[str], plan: list[list[Step]],
             except AzqemuError as exc:
                 # Recorded as a failed step (the summary counts them), the run goes on.
                 progress(f"  sandbox {i} step {k} failed: {exc}")
-                r = {"exit_code": -1, "stdout_b64": f"error: {exc}"}
+                r = {"exit_code": -1, "stdout_b64": "", "error": str(exc)}
             latency = time.monotonic() - t0
             out = r["stdout_b64"].encode()
             with lock:
                 results.append(StepResult(i, k, step.label, r["exit_code"], latency,
                                           hashlib.sha256(out).hexdigest()[:16], r.get("resume_s", 0.0),
-                                          r.get("prefetched_pages", 0)))
+                                          r.get("prefetched_pages", 0), r.get("error", "")))
             # The orchestrator now waits for its LLM: say so (the strongest phase source).
             c.call("phase", name=name, phase="wait")
             time.sleep(step.wait_s)

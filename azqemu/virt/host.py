@@ -129,8 +129,15 @@ class Domain:
 
     def agent_command(self, command_json: str, timeout_s: int) -> str:
         """Send one JSON command to the QEMU guest agent through libvirt's agent channel."""
-        with translate_errors(self.name):
-            return libvirt_qemu.qemuAgentCommand(self._dom, command_json, timeout_s, 0)
+        try:
+            with translate_errors(self.name):
+                return libvirt_qemu.qemuAgentCommand(self._dom, command_json, timeout_s, 0)
+        except VirtError as exc:
+            if exc.code == libvirt.VIR_ERR_OPERATION_INVALID and "not running" in str(exc):
+                # Paused (a compression in progress): libvirt refused before sending anything,
+                # so the caller may wait for the agent and ask again.
+                raise AgentError(f"guest agent of {self.name!r} unavailable: the domain is paused") from exc
+            raise
 
 
 class Host:
