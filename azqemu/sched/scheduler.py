@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -96,10 +97,11 @@ class Scheduler:
                 continue
             if st.policy.compress_on_wait:
                 st.acted_on_wait_s = ph.since_s
-                st.pending = self._worker.submit(self._compress, name, st, ph.since_s)
+                st.pending = self._worker.submit(self._job, st, f"compressing {name}",
+                                                 self._compress_same_wait, name, st, ph.since_s)
             elif st.policy.linux_reclaim:
                 st.acted_on_wait_s = ph.since_s
-                st.pending = self._worker.submit(self._pageout, name, st)
+                st.pending = self._worker.submit(self._job, st, f"paging out {name}", self.m.pageout, name)
         if self.pressure_budget_bytes is not None:
             self._pressure()
 
@@ -116,23 +118,21 @@ class Scheduler:
             st.tracker.host_sample((cpu - st.cpu_prev[1]) / (now - st.cpu_prev[0]))
         st.cpu_prev = (now, cpu)
 
-    def _compress(self, name: str, st: SchedState, wait_since_s: float) -> None:
+    @staticmethod
+    def _job(st: SchedState, what: str, fn: Callable[..., object], *args: object) -> None:
+        """Run one piece of background work; a failure is logged, the sandbox stays as it is."""
         try:
-            ph = st.tracker.current()
-            if ph.phase == WAIT and ph.since_s == wait_since_s:
-                self.m.compress_if_idle(name, st)
-        except Exception as exc:  # noqa: BLE001 - reported, the sandbox stays as it is
-            log.warning("compressing %s failed: %s", name, exc)
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001 - the worker must outlive one failure
+            log.warning("%s failed: %s", what, exc)
         finally:
             st.pending = None
 
-    def _pageout(self, name: str, st: SchedState) -> None:
-        try:
-            self.m.pageout(name)
-        except Exception as exc:  # noqa: BLE001
-            log.warning("paging out %s failed: %s", name, exc)
-        finally:
-            st.pending = None
+    def _compress_same_wait(self, name: str, st: SchedState, wait_since_s: float) -> None:
+        """Compress only if the wait that was seen is still the current one."""
+        ph = st.tracker.current()
+        if ph.phase == WAIT and ph.since_s == wait_since_s:
+            self.m.compress_if_idle(name, st)
 
     def _pressure(self) -> None:
         """agentzip-pressure: over budget, compress the largest sandbox, phases ignored."""
@@ -145,13 +145,6 @@ class Scheduler:
             return
         for name, st in sorted(cands, key=lambda c: -sizes[c[0]]):
             if st.pending is None and sizes[name] > 0:
-                st.pending = self._worker.submit(self._compress_run_on, name, st)
+                st.pending = self._worker.submit(self._job, st, f"pressure compression of {name}",
+                                                 self.m.compress_and_run_on, name)
                 return
-
-    def _compress_run_on(self, name: str, st: SchedState) -> None:
-        try:
-            self.m.compress_and_run_on(name)
-        except Exception as exc:  # noqa: BLE001
-            log.warning("pressure compression of %s failed: %s", name, exc)
-        finally:
-            st.pending = None
