@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from azqemu.memory.blobdecode import thread_nice
 from azqemu.restore import uffd_abi as abi
 from azqemu.restore.errors import PageUnavailable, UffdIoctlError
 from azqemu.restore.export import RamBlock
@@ -91,17 +92,10 @@ def _decode_pool() -> ThreadPoolExecutor:
         return _POOL
 
 
-def _nice() -> int:
-    try:
-        return os.getpriority(os.PRIO_PROCESS, 0)     # Linux: the calling thread's nice
-    except OSError:
-        return 0
-
-
 def _timed_fill(nice: int, source: PageSource, offsets: np.ndarray, out: memoryview, ps: int) -> tuple[bool, float]:
     """fill_pages in a helper thread, at the priority of the thread that prefetches (a helper
     created by a niced thread keeps that nice otherwise; raising it needs CAP_SYS_NICE)."""
-    if _nice() != nice:
+    if thread_nice() != nice:
         try:
             os.setpriority(os.PRIO_PROCESS, 0, nice)
         except OSError:
@@ -197,7 +191,7 @@ class Prefetcher:
 
         # Decode of chunk k+1 (helper thread) overlaps the copy of chunk k (this thread).
         pending: Future[tuple[bool, float]] | None = None
-        nice = _nice()
+        nice = thread_nice()
         for k, chunk in enumerate(chunks):
             n = len(chunk)
             offsets, out, base = views(k)
