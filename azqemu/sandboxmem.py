@@ -14,6 +14,15 @@ touch. A resume that arrives while a compression runs cancels it between two ste
 encoded but not yet punched are simply dropped from the store (their resident copy is the
 truth).
 
+Copy-on-write clones (a MAP_PRIVATE mapping of the template's RAM image, ``RamBlock.private``)
+keep everything the guest only read in the template's page cache, shared. Compress reads
+the pages the guest wrote (anonymous copies, told apart through /proc/PID/pagemap), encodes
+them, registers the range in MISSING+MINOR mode and has QEMU drop every page of it
+(MADV_DONTNEED, the export's DISCARD). A later touch faults to the handler: stored pages
+are copied back, the others are mapped from the template's page cache (UFFDIO_CONTINUE) at
+no cost of the sandbox's own. Written pages equal to the template's go back to being
+mapped. Resume maps the hot template pages the same way and copies the hot stored ones.
+
 Known race, accepted: with the vCPUs paused, QEMU's device threads could still write guest
 RAM (DMA of a virtio device the host feeds while paused) between the scan and the punch of
 a page. azqemu's guests have no network traffic and only the agent channels, which the
@@ -33,13 +42,22 @@ import numpy as np
 
 from azqemu.config import PAGE_SIZE
 from azqemu.errors import RestoreError
+from azqemu.memory.cowscan import private_pages, read_private_pages
+from azqemu.memory.kinds import Kind
 from azqemu.memory.ram import read_resident_pages
 from azqemu.memory.store import PageStore
 from azqemu.memory.template import TemplateImage
 from azqemu.restore.export import RamBlock, UffdExport, UffdHandle
 from azqemu.restore.handler import FaultHandler
-from azqemu.restore.prefetch import Prefetcher, page_runs
-from azqemu.restore.source import CompositeSource, PageSource, StoreSource, TemplateSource, ZeroSource
+from azqemu.restore.prefetch import Prefetcher, map_from_file, page_runs
+from azqemu.restore.source import (
+    CompositeSource,
+    MappedSource,
+    PageSource,
+    StoreSource,
+    TemplateSource,
+    ZeroSource,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +68,9 @@ PUNCH_BATCH_PAGES = 4096
 
 
 class CompressCancelled(RestoreError):
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, done: int = 0) -> None:
         super().__init__(f"compression of {name!r} cancelled by a resume")
+        self.done = done  # stored pages already out of guest RAM
 
 
 @dataclass
@@ -76,6 +95,8 @@ class ResumeStats:
     prefetch_mib_s: float = 0.0
     decode_s: float = 0.0      # pages decoded from the store (overlaps copy_s: pipelined)
     copy_s: float = 0.0        # UFFDIO_COPY into QEMU
+    mapped_pages: int = 0      # copy-on-write: hot template pages mapped (UFFDIO_CONTINUE)
+    map_s: float = 0.0
     total_s: float = 0.0
 
 
@@ -97,17 +118,25 @@ class SandboxMemory:
         self.use_siblings = use_siblings
         self._lock = threading.Lock()
         self._cancel = threading.Event()
-        self.handle: UffdHandle = UffdExport.connect(str(uffd_socket), EXPORT_CONNECT_TIMEOUT_S)
+        self._uffd_socket = str(uffd_socket)
+        self.handle: UffdHandle = UffdExport.connect(self._uffd_socket, EXPORT_CONNECT_TIMEOUT_S)
         self.block = self._main_block(self.handle)
         self._block_index = self.handle.blocks.index(self.block)
-        self.ram_fd = self.handle.ram_fd(self.block)
+        self.cow = self.block.private
+        self.ram_fd = -1 if self.cow else self.handle.ram_fd(self.block)
         if self.block.offset != 0:
             raise RestoreError(f"{name}: guest RAM block starts at file offset {self.block.offset}")
         pages = self.block.page_count
-        self._template_src = TemplateSource(template_ram)
+        self._template_src: TemplateSource | None = None if self.cow else TemplateSource(template_ram)
         self._store_src = StoreSource(store, name)
-        self.sources = CompositeSource(pages, self.block.page_size,
-                                       default=self._template_src if lazy_clone else ZeroSource())
+        # What a page nobody stored is: the template's page cache itself (copy-on-write),
+        # the template image's bytes (lazy clone), or zero (eager clone).
+        self._unstored: PageSource = ZeroSource()
+        if self.cow:
+            self._unstored = MappedSource()
+        elif lazy_clone and self._template_src is not None:
+            self._unstored = self._template_src
+        self.sources = CompositeSource(pages, self.block.page_size, default=self._unstored)
         if name in store.sandboxes():
             # A restarted manager: pages stored before it died come from the store again.
             self.sources.assign(store.stored_pages(name), self._store_src)
@@ -147,7 +176,7 @@ class SandboxMemory:
     def _serve(self) -> None:
         """Register the RAM block (once) and run the fault handler; the caller holds the lock."""
         if not self.registered:
-            self.handle.register(self.block.hva, self.block.size_bytes)
+            self.handle.register(self.block.hva, self.block.size_bytes, minor=self.cow)
             self.registered = True
         if not self.handler.running:
             self.handler.start()
@@ -164,16 +193,28 @@ class SandboxMemory:
             self.handler.stop()
             self.handler.close()
             self.handle.close()
-            self._template_src.close()
+            if self._template_src is not None:
+                self._template_src.close()
 
     def cancel(self) -> None:
         """Ask a running compression to stop at its next step."""
         self._cancel.set()
 
     def resident_bytes(self) -> int:
+        """Guest RAM held for this sandbox alone: the memfd's pages, or the anonymous copies
+        of a copy-on-write mapping."""
         import os
 
+        if self.cow:
+            return len(private_pages(self.handle.pid, self.block.hva, self.block.page_count)) * PAGE_SIZE
         return os.fstat(self.ram_fd).st_blocks * 512
+
+    def _read_resident(self) -> tuple[np.ndarray, np.ndarray]:
+        if self.cow:
+            return read_private_pages(self.handle.pid, self.block.hva, self.block.page_count)
+        idx, pages = read_resident_pages(self.ram_fd)
+        keep = idx < self.block.page_count
+        return idx[keep], pages[keep]
 
     # -- compress -------------------------------------------------------------------------
     def compress(self) -> CompressStats:
@@ -183,9 +224,7 @@ class SandboxMemory:
         t0 = time.perf_counter()
         with self._lock:
             self._serve()
-            idx, pages = read_resident_pages(self.ram_fd)
-            keep = idx < self.block.page_count
-            idx, pages = idx[keep], pages[keep]
+            idx, pages = self._read_resident()
             st.resident_pages = len(idx)
             st.scan_s = time.perf_counter() - t0
             self._check_cancel()
@@ -212,20 +251,20 @@ class SandboxMemory:
             st.hot_pages = len(self.hot_idx)
             # Sources first, punch second: a page must be findable before it disappears.
             stored = np.sort(res.stored_idx.astype(np.int64))
+            if self.cow:
+                stored = self._unstore_template_pages(stored)
             self.sources.assign(stored, self._store_src)
             t2 = time.perf_counter()
-            punched = 0
             try:
-                starts, lengths = page_runs(stored)
-                for s, n in zip(starts.tolist(), lengths.tolist(), strict=True):
-                    self._check_cancel()
-                    self.handle.punch(self.block, s * PAGE_SIZE, n * PAGE_SIZE)
-                    punched += n
-            except CompressCancelled:
+                if self.cow:
+                    self._discard_copies(keep=res.raw_idx)
+                else:
+                    self._punch(stored)
+            except CompressCancelled as cancel:
                 # Pages not punched yet are still resident: drop their stored copies.
-                left = stored[punched:]
+                left = stored[cancel.done:]
                 self.store.discard(self.name, left)
-                self.sources.assign(left, self._template_src if self.lazy_clone else ZeroSource())
+                self.sources.assign(left, self._unstored)
                 st.cancelled = True
             self.store.flush()
             st.punch_s = time.perf_counter() - t2
@@ -235,9 +274,43 @@ class SandboxMemory:
             self.last_compress = st
             return st
 
-    def _check_cancel(self) -> None:
+    def _check_cancel(self, done: int = 0) -> None:
         if self._cancel.is_set():
-            raise CompressCancelled(self.name)
+            raise CompressCancelled(self.name, done)
+
+    def _punch(self, stored: np.ndarray) -> None:
+        """Punch the stored pages out of the memfd, in runs, watching for a cancel."""
+        punched = 0
+        starts, lengths = page_runs(stored)
+        for s, n in zip(starts.tolist(), lengths.tolist(), strict=True):
+            self._check_cancel(punched)
+            self.handle.punch(self.block, s * PAGE_SIZE, n * PAGE_SIZE)
+            punched += n
+
+    def _unstore_template_pages(self, stored: np.ndarray) -> np.ndarray:
+        """Copy-on-write: written pages whose bytes are the template's again need no entry;
+        mapped from the template's page cache they cost nothing. Returns the pages left."""
+        same = stored[self.store.page_kinds(self.name, stored) == Kind.TEMPLATE]
+        if len(same):
+            self.store.discard(self.name, same)
+            self.sources.assign(same, self._unstored)
+        return np.setdiff1d(stored, same, assume_unique=True)
+
+    def _discard_copies(self, keep: np.ndarray) -> None:
+        """Copy-on-write: have QEMU drop every page of the RAM mapping but ``keep`` (pages
+        the store did not take: incompressible, they stay resident), one madvise per run;
+        the range is registered, so every later touch comes to the handler. Cancellable
+        only before the first madvise (the pages dropped are then no prefix of ``stored``)."""
+        self._check_cancel()
+        keep = np.unique(np.asarray(keep, dtype=np.int64))
+        ends = np.concatenate((keep, [self.block.page_count]))
+        starts = np.concatenate(([0], keep + 1))
+        with UffdExport(self._uffd_socket, EXPORT_CONNECT_TIMEOUT_S) as export:
+            for first, end in zip(starts.tolist(), ends.tolist(), strict=True):
+                if end > first:
+                    export.discard(self.block.hva + first * PAGE_SIZE, (end - first) * PAGE_SIZE)
+        # Our own madvise reported itself as REMOVE events: they are not guest discards.
+        self.handler.reset_discarded()
 
     # -- resume ---------------------------------------------------------------------------
     def prefetch(self, *, hot: bool = True) -> ResumeStats:
@@ -256,6 +329,13 @@ class SandboxMemory:
                     st.prefetch_s = r.elapsed_s
                     st.prefetch_mib_s = r.mib_s
                     st.decode_s, st.copy_s = r.decode_s, r.copy_s
+                if self.cow:
+                    # Hot pages the guest only read: map them from the template (free).
+                    t1 = time.perf_counter()
+                    mapped = np.setdiff1d(self.hot_idx, stored, assume_unique=True)
+                    st.mapped_pages = map_from_file(self.handle.uffd, self.block, mapped)
+                    self._prefetched_idx = np.union1d(self._prefetched_idx, mapped)
+                    st.map_s = time.perf_counter() - t1
             self.compressed = False
             st.total_s = time.perf_counter() - t0
             self.restore_s_total += st.total_s

@@ -3,7 +3,12 @@
 On disk, under ``<state_dir>/templates/<name>/``:
     meta.json      what the template is (image key, memory, vCPUs, machine type, accelerator)
     devstate.bin   device state saved with ``x-ignore-shared`` (RAM left out: a few hundred KB)
-    ram.img        the guest RAM image, sparse (zero pages are holes), shared read-only by clones
+    ram.img        the guest RAM image, sparse (zero pages are holes): the persistent copy
+and its working copy on tmpfs, ``<shm_dir>/templates/<name>/ram.img``, which clones share
+read-only (copy-on-write clones map it privately). It has to be tmpfs: a clone azqemu
+compresses is served through userfaultfd in MINOR mode, which only shmem (and hugetlbfs)
+supports, and its untouched pages stay the template's page cache. The working copy is made
+again from the disk copy when missing (after a reboot emptied /dev/shm).
 A template is built in ``<name>.tmp-<pid>/`` and renamed into place only when complete, so an
 interrupted ``template create`` leaves nothing a later command could mistake for a template.
 """
@@ -43,6 +48,8 @@ from azqemu.virt.host import Domain, Host
 from azqemu.virt.identity import QEMU_USER, new_identity, prepare_vm_dir, remove_vm_dir
 
 log = logging.getLogger(__name__)
+# One copy of a template image to tmpfs at a time (clones of a template start in parallel).
+_RAM_COPY_LOCK = threading.Lock()
 
 # Boot to a guest-agent answer takes ~7 s under TCG here; allow for a loaded host.
 BOOT_TIMEOUT_S = 180.0
@@ -87,8 +94,38 @@ class TemplateRepo:
     def dir(self, name: str) -> Path:
         return self.root / name
 
-    def ram_path(self, name: str) -> Path:
+    def disk_ram_path(self, name: str) -> Path:
         return self.dir(name) / "ram.img"
+
+    def shm_dir(self, name: str) -> Path:
+        return self.cfg.shm_dir / "templates" / name
+
+    def ram_path(self, name: str) -> Path:
+        """The template's RAM image that clones use (tmpfs), made from the disk copy if missing."""
+        path = self.shm_dir(name) / "ram.img"
+        if path.exists():
+            return path
+        disk = self.disk_ram_path(name)
+        if not disk.exists():
+            raise TemplateNotFound(name)
+        with _RAM_COPY_LOCK:
+            if not path.exists():
+                self._copy_to_shm(name, disk, path)
+        return path
+
+    def _copy_to_shm(self, name: str, disk: Path, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for d in (self.cfg.shm_dir, path.parent.parent, path.parent):
+            os.chmod(d, 0o755)  # QEMU (libvirt-qemu) opens the image through these
+        tmp = path.with_name(f"ram.img.tmp-{os.getpid()}")
+        try:
+            ramfile.save_sparse(disk, tmp, disk.stat().st_size)
+            _share_with_qemu_file(tmp)
+            os.rename(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        log.info("template %s: RAM image copied to %s", name, path)
 
     def devstate_path(self, name: str) -> Path:
         return self.dir(name) / "devstate.bin"
@@ -117,6 +154,7 @@ class TemplateRepo:
             raise TemplateNotFound(name)
         if clones:
             raise TemplateInUse(name, clones)
+        shutil.rmtree(self.shm_dir(name), ignore_errors=True)
         shutil.rmtree(self.dir(name))
 
     def remove_stale_builds(self) -> None:
@@ -252,14 +290,18 @@ def _share_with_qemu(path: Path) -> None:
     QEMU 7.2 opens a memory-backend-file read-write even with share=off, so the image belongs
     to the QEMU user; the template is still never written (the mapping is private).
     """
+    os.chmod(path, 0o755)
+    for f in path.iterdir():
+        _share_with_qemu_file(f)
+
+
+def _share_with_qemu_file(path: Path) -> None:
     try:
         pw = pwd.getpwnam(QEMU_USER)
     except KeyError:
         return
-    os.chmod(path, 0o755)
-    for f in path.iterdir():
-        os.chown(f, pw.pw_uid, pw.pw_gid)
-        os.chmod(f, 0o640)
+    os.chown(path, pw.pw_uid, pw.pw_gid)
+    os.chmod(path, 0o640)
 
 
 def warmup_from_cli(values: tuple[str, ...]) -> list[str]:

@@ -21,7 +21,10 @@
  * - QEMU may run as an unprivileged user: no call here needs privileges, the privileged
  *   part is the /dev/userfaultfd fd that root opened;
  * - nothing here may disturb QEMU: all signals are blocked in the thread, every fd is
- *   O_CLOEXEC, and the library never touches guest RAM.
+ *   O_CLOEXEC, and the library never reads or writes guest RAM. The one thing it does to
+ *   RAM is DISCARD: madvise(MADV_DONTNEED) of a copy-on-write (private) RAM mapping, on
+ *   the manager's request, which only a process's own madvise can do (process_madvise
+ *   refuses MADV_DONTNEED for another process).
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -38,6 +41,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/ioctl.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
@@ -80,7 +84,7 @@
 #define AZQ_FEATURES_REQUIRED ((uint64_t)UFFD_FEATURE_MISSING_SHMEM)
 #define AZQ_FEATURES_OPTIONAL                                                            \
     ((uint64_t)(UFFD_FEATURE_EVENT_REMOVE | UFFD_FEATURE_THREAD_ID |                     \
-                UFFD_FEATURE_MISSING_HUGETLBFS))
+                UFFD_FEATURE_MISSING_HUGETLBFS | UFFD_FEATURE_MINOR_SHMEM))
 
 static char g_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
 static pid_t g_owner_pid;     /* only the process that bound the socket removes it */
@@ -239,6 +243,7 @@ struct block {
     dev_t dev;
     ino_t ino;
     int ram_fd_index; /* index into the RAM fds sent, -1 if none was found */
+    int private_map;  /* a MAP_PRIVATE (copy-on-write) mapping of a tmpfs file */
     char name[256];
 };
 
@@ -324,15 +329,18 @@ static int scan_layout(struct layout *l, int *err, const char **what)
         if (sscanf(line, "%lx-%lx %4s %lx %x:%x %lu %n", &start, &end, perms, &off, &maj,
                    &min, &ino, &name_at) < 7 || name_at == 0)
             continue;
-        if (perms[3] != 's' || ino == 0)
+        /* Shared mappings (memfd, share=on files) and private writable ones (share=off
+         * files: copy-on-write clones of a template image). */
+        if ((perms[3] != 's' && !(perms[3] == 'p' && perms[1] == 'w')) || ino == 0)
             continue;
+        int private_map = perms[3] == 'p';
         char *name = line + name_at;
         name[strcspn(name, "\n")] = '\0';
         if (g_match[0] && !strstr(name, g_match))
             continue;
         dev_t dev = makedev(maj, min);
         struct block *prev = l->nblocks ? &l->blocks[l->nblocks - 1] : NULL;
-        if (prev && prev->dev == dev && prev->ino == (ino_t)ino &&
+        if (prev && prev->dev == dev && prev->ino == (ino_t)ino && prev->private_map == private_map &&
             prev->hva + prev->size == start && prev->offset + prev->size == off) {
             prev->size += end - start;
             continue;
@@ -346,6 +354,7 @@ static int scan_layout(struct layout *l, int *err, const char **what)
         b->dev = dev;
         b->ino = (ino_t)ino;
         b->ram_fd_index = -1;
+        b->private_map = private_map;
         snprintf(b->name, sizeof(b->name), "%s", name);
     }
     free(line);
@@ -359,8 +368,23 @@ static int scan_layout(struct layout *l, int *err, const char **what)
         if (b.size < g_min_bytes)
             continue;
         int fd_index = -1;
+        if (b.private_map) {
+            /* The file behind a private mapping is the template image every clone shares:
+             * its fd is never handed out (a punch through it would corrupt all of them).
+             * Only check that it is tmpfs (MISSING/MINOR_SHMEM serve nothing else). */
+            int fd = find_backing_fd(b.dev, b.ino, b.name);
+            struct statfs sfs;
+            int shmem = fd >= 0 && fstatfs(fd, &sfs) == 0 && sfs.f_type == TMPFS_MAGIC;
+            if (fd >= 0)
+                close(fd);
+            if (!shmem)
+                continue;
+            b.page_size = (uint64_t)base_page;
+            l->blocks[kept++] = b;
+            continue;
+        }
         for (int j = 0; j < kept; j++)
-            if (l->blocks[j].dev == b.dev && l->blocks[j].ino == b.ino)
+            if (!l->blocks[j].private_map && l->blocks[j].dev == b.dev && l->blocks[j].ino == b.ino)
                 fd_index = l->blocks[j].ram_fd_index;
         if (fd_index < 0) {
             int fd = find_backing_fd(b.dev, b.ino, b.name);
@@ -381,7 +405,7 @@ static int scan_layout(struct layout *l, int *err, const char **what)
             }
         } else {
             for (int j = 0; j < kept; j++)
-                if (l->blocks[j].ram_fd_index == fd_index)
+                if (!l->blocks[j].private_map && l->blocks[j].ram_fd_index == fd_index)
                     b.page_size = l->blocks[j].page_size;
         }
         b.ram_fd_index = fd_index;
@@ -391,7 +415,7 @@ static int scan_layout(struct layout *l, int *err, const char **what)
     if (kept == 0) {
         layout_release(l);
         *err = ENOENT;
-        *what = "no shared tmpfs/hugetlbfs mapping (guest RAM) in this process";
+        *what = "no tmpfs/hugetlbfs mapping (guest RAM) in this process";
         return -1;
     }
     return 0;
@@ -456,6 +480,8 @@ static void handle_hello(int sock, int passed_fd)
         struct block *b = &l->blocks[i];
         reply_add(r, "block 0x%" PRIx64 " %" PRIu64 " %" PRIu64 " %" PRIu64 " %d %s\n", b->hva,
                   b->size, b->offset, b->page_size, b->ram_fd_index, b->name);
+        if (b->private_map)
+            reply_add(r, "private 0x%" PRIx64 "\n", b->hva);
     }
     reply_add(r, "end\n");
     if (r->overflow)
@@ -537,6 +563,57 @@ static void handle_range(int sock, int reg, const char *args)
     send_msg(sock, line, (size_t)len, NULL, 0);
 }
 
+/* DISCARD <hva-hex> <len>: madvise(MADV_DONTNEED) inside one private (copy-on-write)
+ * RAM block: its copied pages are freed and the next access sees the file's page (or
+ * faults to the uffd where the manager registered the range first). Refused anywhere
+ * else: on a shared mapping the data lives in the file and a DONTNEED would be a no-op
+ * that hides a manager bug. */
+static void handle_discard(int sock, const char *args)
+{
+    unsigned long long hva, len;
+    char extra;
+    if (sscanf(args, "%llx %llu %c", &hva, &len, &extra) != 2) {
+        send_error(sock, EINVAL, "expected '<hva-hex> <len>'");
+        return;
+    }
+    long page = sysconf(_SC_PAGESIZE);
+    if (len == 0 || hva % (unsigned long long)page || len % (unsigned long long)page ||
+        hva + len < hva) {
+        send_error(sock, EINVAL, "range 0x%llx+%llu is not page aligned", hva, len);
+        return;
+    }
+    struct layout *l = calloc(1, sizeof(*l));
+    if (!l) {
+        send_error(sock, ENOMEM, "out of memory");
+        return;
+    }
+    int err = 0, inside = 0;
+    const char *what = NULL;
+    if (scan_layout(l, &err, &what) < 0) {
+        free(l);
+        send_error(sock, err, "%s", what);
+        return;
+    }
+    for (int i = 0; i < l->nblocks; i++) {
+        struct block *b = &l->blocks[i];
+        if (b->private_map && hva >= b->hva && hva + len <= b->hva + b->size)
+            inside = 1;
+    }
+    layout_release(l);
+    free(l);
+    if (!inside) {
+        send_error(sock, EINVAL, "0x%llx+%llu is not inside a private RAM block", hva, len);
+        return;
+    }
+    if (madvise((void *)(uintptr_t)hva, (size_t)len, MADV_DONTNEED) < 0) {
+        err = errno;
+        send_error(sock, err, "madvise(MADV_DONTNEED) 0x%llx+%llu: %s", hva, len, strerror(err));
+        return;
+    }
+    static const char ok[] = AZQ_PROTO " OK\nend\n";
+    send_msg(sock, ok, sizeof(ok) - 1, NULL, 0);
+}
+
 static void serve_connection(int sock)
 {
     struct ucred cred;
@@ -591,9 +668,11 @@ static void serve_connection(int sock)
             handle_range(sock, 1, req + 14);
         } else if (strncmp(req, AZQ_PROTO " UNREGISTER ", 16) == 0) {
             handle_range(sock, 0, req + 16);
+        } else if (strncmp(req, AZQ_PROTO " DISCARD ", 13) == 0) {
+            handle_discard(sock, req + 13);
         } else {
             send_error(sock, EPROTO, "unknown request '%.40s' (expected " AZQ_PROTO
-                       " HELLO|REGISTER|UNREGISTER)", req);
+                       " HELLO|REGISTER|UNREGISTER|DISCARD)", req);
         }
         for (int i = 0; i < nfds; i++)
             close(fds[i]); /* the /dev/userfaultfd fd is not kept: the uffd is */

@@ -162,7 +162,7 @@ class Manager:
                 except (StoreForeign, StoreCorrupt) as exc:
                     # Refuse to guess while a running sandbox may have pages in it; otherwise
                     # (a store of an older azqemu, a crash before any sandbox ran) start over.
-                    if any(r.ram_mode != "cow" for r in self.sandboxes.list()):
+                    if self.sandboxes.list():
                         raise
                     stale = root.with_name(f"store.unreadable-{int(time.time())}")
                     log.warning("%s; no sandbox uses it: moved to %s, starting a new store", exc, stale)
@@ -291,7 +291,7 @@ class Manager:
             raise ConfigError(f"unknown RAM mode {mode!r} (eager, lazy, cow)")
         if mode == "lazy" and not self.lazy_available:
             raise ConfigError(f"lazy clones are not available here: {doctor.restore_mode()[1]}")
-        env = self._preload_env() if self.lazy_available and mode != "cow" else {}
+        env = self._preload_env(mode) if self.lazy_available else {}
         fills = {"eager": eager_fill, "cow": cow_fill}
 
         for n in names:
@@ -336,11 +336,12 @@ class Manager:
             raise first_error
         return results
 
-    def _preload_env(self) -> dict[str, str]:
-        """The export library in QEMU (qemu:env); it waits silently until the manager asks."""
+    def _preload_env(self, mode: str) -> dict[str, str]:
+        """The export library in QEMU (qemu:env); it waits silently until the manager asks.
+        Copy-on-write clones map the template's ram.img privately (virt/cowhook.py)."""
         return {"LD_PRELOAD": str(self.cfg.preload_library),
                 "AZQ_UFFD_SOCKET": "",  # per clone, filled in below
-                "AZQ_UFFD_RAM_MATCH": "memory-backend-memfd"}
+                "AZQ_UFFD_RAM_MATCH": "/ram.img" if mode == "cow" else "memory-backend-memfd"}
 
     def op_exec(self, name: str, argv: list[str], timeout_s: float = EXEC_DEFAULT_TIMEOUT_S,
                 stdin_b64: str | None = None) -> dict[str, Any]:
@@ -472,9 +473,6 @@ class Manager:
         dom = self._domain(name)
         if not self.lazy_available:
             raise ConfigError(f"cannot compress {name!r}: {doctor.restore_mode()[1]}")
-        if rec.ram_mode == "cow":
-            raise ConfigError(f"cannot compress {name!r}: copy-on-write clones are left to Linux "
-                              "(KSM, zram); clone with --mode lazy or eager")
         if dom.state() == "running":
             self.paused_by_azq.add(name)
             dom.suspend()
@@ -559,6 +557,9 @@ class Manager:
             owned = hostmem.linux_owned_bytes(vma, hostmem.read_ksm(), hostmem.read_zram_total())
             resident = vma.get("Anonymous", 0)
             stored = owned - max(0, resident - vma.get("KSM", 0))
+            if mem is not None:  # compressed by azqemu: its pages in the store too
+                stored += mem.stored_bytes()
+                owned += mem.stored_bytes()
         else:
             # fstat of the memfd and the store's books: cheap enough to sample often.
             resident = self._resident_bytes(self.host.get_domain(name), rec.ram_mode) or 0

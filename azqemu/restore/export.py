@@ -14,6 +14,7 @@ waiters after a reattach (their fault messages died with the previous manager).
 
 from __future__ import annotations
 
+import dataclasses
 import errno as _errno
 import os
 import socket
@@ -39,7 +40,12 @@ CONNECT_RETRY_S = 0.05
 class RamBlock:
     """One guest-RAM mapping in QEMU: ``size_bytes`` at host address ``hva`` map the
     backing file ``ram_fds[ram_fd_index]`` from ``offset``. ``name`` is the mapping's
-    path as /proc/<pid>/maps shows it (``/memfd:NAME (deleted)`` or a /dev/shm path)."""
+    path as /proc/<pid>/maps shows it (``/memfd:NAME (deleted)`` or a /dev/shm path).
+
+    A ``private`` block is a copy-on-write (MAP_PRIVATE) mapping of a template image: the
+    pages the guest wrote are anonymous copies in QEMU, the others are the template's
+    page cache. The library never hands out its fd (``ram_fd_index`` -1): pages leave it
+    by ``UffdExport.discard`` (madvise inside QEMU), never by a punch of the file."""
 
     hva: int
     size_bytes: int
@@ -47,6 +53,7 @@ class RamBlock:
     page_size: int
     name: str
     ram_fd_index: int = 0
+    private: bool = False
 
     @property
     def end_hva(self) -> int:
@@ -86,17 +93,27 @@ class UffdHandle:
     closed: bool = field(default=False, repr=False)
 
     # -- registration (the manager-side path, see DESIGN.md) -----------------------------
-    def register(self, hva: int, size_bytes: int) -> int:
-        """UFFDIO_REGISTER in MISSING mode; returns the range ioctls the kernel allows.
+    def register(self, hva: int, size_bytes: int, *, minor: bool = False) -> int:
+        """UFFDIO_REGISTER in MISSING mode (plus MINOR for a private block, whose pages
+        are in the template's page cache and so never "missing"); returns the range
+        ioctls the kernel allows.
 
-        Refuses (and undoes) a registration where UFFDIO_COPY is not allowed: faults
-        there could never be answered.
+        Refuses (and undoes) a registration where a needed ioctl is not allowed (COPY,
+        and CONTINUE and ZEROPAGE in MINOR mode): faults there could never be answered.
         """
-        ioctls = uffd.register(self.uffd, hva, size_bytes, abi.UFFDIO_REGISTER_MODE_MISSING)
-        if not ioctls & (1 << abi._UFFDIO_COPY):
+        mode = abi.UFFDIO_REGISTER_MODE_MISSING
+        need = 1 << abi._UFFDIO_COPY
+        if minor:
+            if not self.features & abi.UFFD_FEATURE_MINOR_SHMEM:
+                raise UffdIoctlError("UFFDIO_REGISTER (MINOR mode: the uffd lacks MINOR_SHMEM)",
+                                     _errno.EOPNOTSUPP, hva, size_bytes)
+            mode |= abi.UFFDIO_REGISTER_MODE_MINOR
+            need |= (1 << abi._UFFDIO_CONTINUE) | (1 << abi._UFFDIO_ZEROPAGE)
+        ioctls = uffd.register(self.uffd, hva, size_bytes, mode)
+        if ioctls & need != need:
             uffd.unregister(self.uffd, hva, size_bytes)
-            raise UffdIoctlError("UFFDIO_REGISTER (no UFFDIO_COPY on this range)", _errno.EINVAL,
-                                 hva, size_bytes)
+            raise UffdIoctlError(f"UFFDIO_REGISTER (range ioctls {ioctls:#x} lack {need:#x})",
+                                 _errno.EINVAL, hva, size_bytes)
         return ioctls
 
     def unregister(self, hva: int, size_bytes: int) -> None:
@@ -213,6 +230,15 @@ def parse_reply(text: bytes, nfds: int, socket_path: str = "") -> dict[str, obje
                 if not -1 <= fd_index < nfds - 1:
                     raise ValueError(f"RAM fd index {fd_index} but {nfds - 1} RAM fds")
                 blocks.append(RamBlock(hva, size, offset, page_size, parts[5], fd_index))
+            elif key == "private":
+                # Marks the block at this address (listed before) as copy-on-write.
+                at = int(rest, 0)
+                for i, b in enumerate(blocks):
+                    if b.hva == at:
+                        blocks[i] = dataclasses.replace(b, private=True)
+                        break
+                else:
+                    raise ValueError("private names no block listed before it")
             elif key in ("pid", "uffd_created", "uffd_fd_in_peer", "fds", "ranges"):
                 out[key] = int(rest)
             elif key in ("uffd_features", "uffd_features_offered", "uffd_ioctls", "ioctls"):
@@ -314,6 +340,19 @@ class UffdExport:
     def library_unregister(self, hva: int | None = None, size_bytes: int | None = None) -> None:
         arg = "all" if hva is None else f"{hva:#x} {size_bytes}"
         msg, got = self._request(f"{PROTO} UNREGISTER {arg}", [])
+        for fd in got:
+            os.close(fd)
+        parse_reply(msg, len(got), self.socket_path)
+
+    def discard(self, hva: int, size_bytes: int) -> None:
+        """DISCARD: madvise(MADV_DONTNEED) inside QEMU on a range of a private block.
+
+        The copied pages go; the next access reads the template's page, or faults to the
+        uffd if the range is registered, which the caller must have done first (in MINOR
+        mode) for every page whose content is not the template's. If the uffd asked for
+        EVENT_REMOVE, QEMU's madvise waits until a fault handler has read the REMOVE event:
+        keep the handler running across this call."""
+        msg, got = self._request(f"{PROTO} DISCARD {hva:#x} {size_bytes}", [])
         for fd in got:
             os.close(fd)
         parse_reply(msg, len(got), self.socket_path)

@@ -42,7 +42,7 @@ import numpy as np
 from azqemu.restore import uffd_abi as abi
 from azqemu.restore.errors import UffdIoctlError
 from azqemu.restore.export import RamBlock, UffdHandle
-from azqemu.restore.source import PageSource
+from azqemu.restore.source import CompositeSource, MappedSource, PageSource
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ RETRY_INTERVAL_MS = 1
 @dataclass(frozen=True)
 class HandlerStats:
     faults: int              # page-fault messages read
-    served: int              # answered with UFFDIO_COPY
+    served: int              # answered with UFFDIO_COPY (CONTINUE or ZEROPAGE for mapped pages)
     already_present: int     # UFFDIO_COPY said EEXIST: woken instead
     retries: int             # Retry from a source or EAGAIN from the kernel
     errors: int              # faults left waiting because no content exists
@@ -74,7 +74,7 @@ class HandlerStats:
 class _Block:
     """Per-block state of the fast path (plain attributes: one lookup each)."""
 
-    __slots__ = ("block", "lo", "hi", "delta", "shift", "fill", "hot", "discarded", "out")
+    __slots__ = ("block", "lo", "hi", "delta", "shift", "fill", "hot", "discarded", "out", "mapped", "base")
 
     def __init__(self, block: RamBlock, source: PageSource, page_mv: memoryview) -> None:
         self.block = block
@@ -86,6 +86,13 @@ class _Block:
         self.hot = bytearray(block.page_count)
         self.discarded = bytearray(block.page_count)
         self.out = page_mv[:block.page_size]  # the page buffer, this block's page size
+        # A copy-on-write block whose pages default to the template's page cache: pages of
+        # source 0 in ``mapped`` are answered by UFFDIO_CONTINUE (CompositeSource.kinds).
+        self.mapped: bytearray | None = None
+        self.base = 0
+        if isinstance(source, CompositeSource) and isinstance(source.default, MappedSource):
+            self.mapped = source.kinds
+            self.base = source.base_offset
 
 
 class FaultHandler:
@@ -123,6 +130,9 @@ class FaultHandler:
         # ioctl arguments, reused: struct uffdio_copy as 5 u64 words, uffdio_range as 2.
         self._copy_arg = bytearray(ctypes.sizeof(abi.uffdio_copy))
         self._copy_q = memoryview(self._copy_arg).cast("Q")
+        # struct uffdio_continue and uffdio_zeropage share one layout: range, mode, result.
+        self._map_arg = bytearray(ctypes.sizeof(abi.uffdio_continue))
+        self._map_q = memoryview(self._map_arg).cast("Q")
         self._range_arg = bytearray(ctypes.sizeof(abi.uffdio_range))
         self._range_q = memoryview(self._range_arg).cast("Q")
         self._msg_buf = bytearray(BATCH_MSGS * abi.UFFD_MSG_SIZE)
@@ -320,6 +330,12 @@ class FaultHandler:
         shift = b.shift
         page = address >> shift << shift
         page_size = 1 << shift
+        if b.mapped is not None and b.mapped[(page + b.delta - b.base) >> shift] == 0:
+            if self._map_from_file(page, page_size):
+                b.hot[(page - b.lo) >> shift] = 1
+                self._ring_mv[self._samples & self._ring_mask] = time.perf_counter_ns() - t0
+                self._samples += 1
+            return
         try:
             ok = b.fill(page + b.delta, b.out)
         except Exception as exc:  # noqa: BLE001 - any source error leaves the fault waiting
@@ -345,8 +361,32 @@ class FaultHandler:
         self._ring_mv[self._samples & self._ring_mask] = time.perf_counter_ns() - t0
         self._samples += 1
 
-    def _copy_failed(self, err: int | None, page: int, page_size: int) -> bool:
-        """Handle a failed UFFDIO_COPY; True if the fault counts as answered."""
+    def _map_from_file(self, page: int, page_size: int) -> bool:
+        """Answer a fault on a page the template holds: UFFDIO_CONTINUE maps its
+        page-cache page; over a hole of the template file (EFAULT: nothing cached) the
+        zero page is the content. True if the fault counts as answered."""
+        aq = self._map_q
+        aq[0] = page
+        aq[1] = page_size
+        aq[2] = 0
+        aq[3] = 0
+        op = "UFFDIO_CONTINUE"
+        try:
+            fcntl.ioctl(self._uffd, abi.UFFDIO_CONTINUE, self._map_arg, True)
+        except OSError as err:
+            if err.errno != errno.EFAULT:
+                return self._copy_failed(err.errno, page, page_size, op)
+            op = "UFFDIO_ZEROPAGE"
+            aq[2] = aq[3] = 0
+            try:
+                fcntl.ioctl(self._uffd, abi.UFFDIO_ZEROPAGE, self._map_arg, True)
+            except OSError as zerr:
+                return self._copy_failed(zerr.errno, page, page_size, op)
+        self._served += 1
+        return True
+
+    def _copy_failed(self, err: int | None, page: int, page_size: int, op: str = "UFFDIO_COPY") -> bool:
+        """Handle a failed UFFDIO_COPY (or CONTINUE, ZEROPAGE); True if the fault counts as answered."""
         if err == errno.EEXIST:
             # The page is back already; its waiters may not have been woken by whoever
             # placed it (a copy with DONTWAKE, a duplicate message): wake them.
@@ -375,7 +415,7 @@ class FaultHandler:
             self.peer_exited = True
             self._stopping = True
             return False
-        self._fail(UffdIoctlError("UFFDIO_COPY", err or 0, page, page_size), page)
+        self._fail(UffdIoctlError(op, err or 0, page, page_size), page)
         return False
 
     def _fail(self, exc: BaseException, page: int) -> None:

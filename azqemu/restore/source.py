@@ -77,6 +77,25 @@ class ZeroSource:
         return "ZeroSource()"
 
 
+class MappedSource:
+    """Pages a copy-on-write mapping already holds: the template's own page cache.
+
+    For a private (MAP_PRIVATE) RAM block a page the guest never wrote is the template
+    image's page, shared by every clone. The fault handler answers such a page with
+    UFFDIO_CONTINUE, which maps that page-cache page (read-only; a write copies it), or
+    with the zero page over a hole of the template file: no copy and no memory of the
+    sandbox's own. There is no content to fill from here."""
+
+    def __init__(self, page_size: int = PAGE_SIZE) -> None:
+        self.page_size = page_size
+
+    def fill(self, offset: int, out: memoryview) -> bool:
+        raise PageUnavailable(offset, "a mapped page is answered by UFFDIO_CONTINUE, not filled")
+
+    def __repr__(self) -> str:
+        return "MappedSource()"
+
+
 class TemplateSource:
     """Pages of the template's RAM image file (read-only, shared by every clone).
 
@@ -224,6 +243,15 @@ class CompositeSource:
             if pages.dtype != bool and pages.size and (pages.min() < 0 or pages.max() >= self.page_count):
                 raise IndexError(f"page index out of 0..{self.page_count - 1}")
         kind[pages] = self._index(source)
+
+    @property
+    def default(self) -> PageSource:
+        return self._sources[0]
+
+    @property
+    def kinds(self) -> bytearray:
+        """Per page, the index of its source (0: ``default``); read by the fault handler."""
+        return self._kind
 
     def source_of(self, page_idx: int) -> PageSource:
         return self._sources[self._kind[page_idx]]

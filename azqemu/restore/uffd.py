@@ -116,6 +116,37 @@ def copy(uffd: int, dst: int, src: int, length: int, *, wake: bool = True) -> in
     return length
 
 
+def continue_range(uffd: int, start: int, length: int, *, wake: bool = True) -> int:
+    """UFFDIO_CONTINUE: map the page-cache pages behind [start, start+length) of a range
+    registered in MINOR mode (no copy; in a private mapping they map read-only and a
+    write copies them). Returns bytes mapped; a call that maps nothing raises with the
+    kernel's errno (EEXIST: the first page is mapped already; EFAULT: no page in the
+    cache there, a hole of the file)."""
+    arg = abi.uffdio_continue(range=abi.uffdio_range(start, length),
+                              mode=0 if wake else abi.UFFDIO_CONTINUE_MODE_DONTWAKE, mapped=0)
+    try:
+        fcntl.ioctl(uffd, abi.UFFDIO_CONTINUE, arg, True)
+    except OSError as err:
+        if arg.mapped > 0:
+            return int(arg.mapped)
+        raise UffdIoctlError("UFFDIO_CONTINUE", err.errno or 0, start, length) from err
+    return length
+
+
+def zeropage(uffd: int, start: int, length: int, *, wake: bool = True) -> int:
+    """UFFDIO_ZEROPAGE: map the shared zero page over [start, start+length) (a write
+    later allocates). Returns bytes mapped, or raises as :func:`continue_range`."""
+    arg = abi.uffdio_zeropage(range=abi.uffdio_range(start, length),
+                              mode=0 if wake else abi.UFFDIO_ZEROPAGE_MODE_DONTWAKE, zeropage=0)
+    try:
+        fcntl.ioctl(uffd, abi.UFFDIO_ZEROPAGE, arg, True)
+    except OSError as err:
+        if arg.zeropage > 0:
+            return int(arg.zeropage)
+        raise UffdIoctlError("UFFDIO_ZEROPAGE", err.errno or 0, start, length) from err
+    return length
+
+
 def punch_hole(fd: int, offset: int, length: int) -> None:
     """fallocate(PUNCH_HOLE | KEEP_SIZE) on a tmpfs/memfd file: frees the pages and
     unmaps them from every mapping (QEMU's next touch faults to the uffd if registered)."""

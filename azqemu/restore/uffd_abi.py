@@ -184,6 +184,7 @@ UFFDIO_REGISTER_MODE_MINOR = 1 << 2
 UFFDIO_COPY_MODE_DONTWAKE = 1 << 0
 UFFDIO_COPY_MODE_WP = 1 << 1
 UFFDIO_ZEROPAGE_MODE_DONTWAKE = 1 << 0
+UFFDIO_CONTINUE_MODE_DONTWAKE = 1 << 0
 
 # userfaultfd(2) flag; azqemu never uses it (kernel-side accesses would get EFAULT), it is
 # here so the tests can make an unprivileged uffd where the kernel allows no other.

@@ -44,10 +44,10 @@ POLICIES: dict[str, Policy] = {p.name: p for p in (
     Policy("none", "eager"),
     Policy("none-cow", "cow"),
     Policy("linux", "cow", linux_reclaim=True),
-    Policy("agentzip", "lazy", compress_on_wait=True),
-    Policy("agentzip-no-prefetch", "lazy", compress_on_wait=True, prefetch=False),
-    Policy("agentzip-no-sibling", "lazy", compress_on_wait=True, use_siblings=False),
-    Policy("agentzip-pressure", "lazy", pressure=True, prefetch=False),
+    Policy("agentzip", "cow", compress_on_wait=True),
+    Policy("agentzip-no-prefetch", "cow", compress_on_wait=True, prefetch=False),
+    Policy("agentzip-no-sibling", "cow", compress_on_wait=True, use_siblings=False),
+    Policy("agentzip-pressure", "cow", pressure=True, prefetch=False),
 )}
 
 

@@ -61,9 +61,10 @@ def wait_rounds(name: str, tag: str, above: int, timeout_s: float = 60) -> int:
     raise AssertionError(f"{name}: checker {tag} made no progress past round {above}")
 
 
-def test_twenty_compress_resume_cycles_keep_guest_memory_exact(template: str) -> None:
+@pytest.mark.parametrize("ram_mode", ["lazy", "cow"])
+def test_twenty_compress_resume_cycles_keep_guest_memory_exact(template: str, ram_mode: str) -> None:
     c = Client()
-    (rec,) = c.call("clone", template=template, count=1, name_prefix="cyc-", ram_mode="lazy")
+    (rec,) = c.call("clone", template=template, count=1, name_prefix=f"cyc{ram_mode}-", ram_mode=ram_mode)
     name = rec["name"]
     try:
         code, _ = sh(name, "head -c 20000000 /dev/urandom > /tmp/blob; md5sum /tmp/blob > /tmp/blob.md5")
@@ -84,10 +85,12 @@ def test_twenty_compress_resume_cycles_keep_guest_memory_exact(template: str) ->
         c.call("destroy", name=name)
 
 
-def test_lazy_clone_rewrites_template_pages(template: str) -> None:
-    """A lazy clone reads template pages on first touch; its own writes win over them."""
+@pytest.mark.parametrize("ram_mode", ["lazy", "cow"])
+def test_clone_rewrites_template_pages(template: str, ram_mode: str) -> None:
+    """A clone reads template pages on first touch (lazy: copied in; copy-on-write: mapped
+    from the template's page cache); its own writes win over them after a compression."""
     c = Client()
-    rows = c.call("clone", template=template, count=2, name_prefix="rw-", ram_mode="lazy")
+    rows = c.call("clone", template=template, count=2, name_prefix=f"rw{ram_mode}-", ram_mode=ram_mode)
     try:
         for r in rows:
             n = r["name"]

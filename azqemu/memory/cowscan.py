@@ -1,0 +1,104 @@
+"""The pages a copy-on-write clone wrote, read from outside QEMU.
+
+A copy-on-write clone maps its template's RAM image MAP_PRIVATE: a page the guest wrote is
+an anonymous copy in QEMU's address space; every other page is the template's page cache
+(mapped or not). /proc/PID/pagemap tells them apart without touching them: an entry that is
+present (or swapped) and not "file page or shared anonymous" (bit 61) is an anonymous copy.
+Those are read with process_vm_readv(2), which takes the pages as they are and never faults
+one in: a fault on a range the manager registered would reach its own fault handler (a
+deadlock for a read done under the sandbox's lock, and a page wrongly counted as used).
+
+Layout of a pagemap entry: Documentation/admin-guide/mm/pagemap.rst.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import numpy as np
+
+from azqemu.errors import HostError
+from azqemu.memory.kinds import PAGE_SHIFT, PAGE_SIZE
+
+PM_PRESENT = 1 << 63
+PM_SWAP = 1 << 62
+PM_FILE_OR_SHARED_ANON = 1 << 61
+# process_vm_readv takes at most IOV_MAX (1024) iovecs per side.
+IOV_BATCH = 1024
+
+
+class _iovec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.process_vm_readv.argtypes = [ctypes.c_int, ctypes.POINTER(_iovec), ctypes.c_ulong,
+                                   ctypes.POINTER(_iovec), ctypes.c_ulong, ctypes.c_ulong]
+_libc.process_vm_readv.restype = ctypes.c_ssize_t
+
+
+def read_pagemap(pid: int, hva: int, page_count: int) -> np.ndarray:
+    """The pagemap entries (uint64) of ``page_count`` pages from address ``hva``."""
+    want = page_count * 8
+    try:
+        fd = os.open(f"/proc/{pid}/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise HostError(f"cannot open /proc/{pid}/pagemap: {exc.strerror}") from exc
+    try:
+        buf = bytearray(want)
+        view = memoryview(buf)
+        got = 0
+        while got < want:
+            n = os.preadv(fd, [view[got:]], (hva >> PAGE_SHIFT) * 8 + got)
+            if n <= 0:
+                raise HostError(f"short read of /proc/{pid}/pagemap at {hva:#x}")
+            got += n
+    finally:
+        os.close(fd)
+    return np.frombuffer(buf, dtype=np.uint64)
+
+
+def private_pages(pid: int, hva: int, page_count: int) -> np.ndarray:
+    """Indices (from ``hva``) of the pages that are anonymous copies, sorted."""
+    pm = read_pagemap(pid, hva, page_count)
+    held = (pm & np.uint64(PM_PRESENT | PM_SWAP)) != 0
+    anon = (pm & np.uint64(PM_FILE_OR_SHARED_ANON)) == 0
+    return np.flatnonzero(held & anon).astype(np.int64)
+
+
+def read_pages(pid: int, hva: int, page_idx: np.ndarray) -> np.ndarray:
+    """The content of pages ``page_idx`` (from ``hva``) of process ``pid``: (n, 4096) uint8.
+
+    Contiguous pages go in one iovec, up to IOV_BATCH runs per call."""
+    idx = np.asarray(page_idx, dtype=np.int64)
+    pages = np.empty((len(idx), PAGE_SIZE), dtype=np.uint8)
+    if not len(idx):
+        return pages
+    breaks = np.flatnonzero(np.diff(idx) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    lengths = np.diff(np.concatenate((starts, [len(idx)])))
+    base = pages.ctypes.data
+    for b in range(0, len(starts), IOV_BATCH):
+        s, n = starts[b:b + IOV_BATCH], lengths[b:b + IOV_BATCH]
+        k = len(s)
+        local = (_iovec * k)()
+        remote = (_iovec * k)()
+        for j, (row, cnt) in enumerate(zip(s.tolist(), n.tolist(), strict=True)):
+            local[j].iov_base = base + row * PAGE_SIZE
+            local[j].iov_len = cnt * PAGE_SIZE
+            remote[j].iov_base = hva + int(idx[row]) * PAGE_SIZE
+            remote[j].iov_len = cnt * PAGE_SIZE
+        want = int(n.sum()) * PAGE_SIZE
+        got = _libc.process_vm_readv(pid, local, k, remote, k, 0)
+        if got != want:
+            err = ctypes.get_errno()
+            raise HostError(f"process_vm_readv of pid {pid}: {got} of {want} bytes"
+                            + (f" ({os.strerror(err)})" if got < 0 else ""))
+    return pages
+
+
+def read_private_pages(pid: int, hva: int, page_count: int) -> tuple[np.ndarray, np.ndarray]:
+    """(page_idx int64 sorted, pages (n, 4096) uint8) of every anonymous copy in the range."""
+    idx = private_pages(pid, hva, page_count)
+    return idx, read_pages(pid, hva, idx)
