@@ -63,8 +63,10 @@ log = logging.getLogger(__name__)
 
 # QEMU creates the export socket when its constructor runs; a clone asks right after start.
 EXPORT_CONNECT_TIMEOUT_S = 10.0
-# Punch in runs of at most this many pages so a cancel is seen quickly.
-PUNCH_BATCH_PAGES = 4096
+# A page prefetched at resume never faults, so use cannot be seen: it stays in the hot
+# set for this many phases after its last fault ("empirically set": one fault every
+# HOT_MAX_CARRY + 1 phases for a page always in use, against prefetching dead pages).
+HOT_MAX_CARRY = 3
 
 
 class CompressCancelled(RestoreError):
@@ -146,6 +148,8 @@ class SandboxMemory:
         self.compressed = False
         self.hot_idx = np.empty(0, dtype=np.int64)
         self._prefetched_idx = np.empty(0, dtype=np.int64)
+        # Per page: phases it has stayed hot only because the prefetch brought it back.
+        self._hot_age = np.zeros(pages, dtype=np.uint8)
         self.last_compress = CompressStats()
         self.last_resume = ResumeStats()
         self.compress_s_total = 0.0
@@ -233,11 +237,18 @@ class SandboxMemory:
             # the prefetch (it did not fault because it was already there). Without the
             # second part the set would flip between two halves from one wait to the next.
             # Prefetched pages that went untouched cannot be told apart here (no idle-page
-            # tracking in this kernel), so the set is the union of the working sets seen.
+            # tracking in this kernel), so a page carried only by the prefetch ages: after
+            # HOT_MAX_CARRY phases without a fault it leaves the set, and if it is still in
+            # use it faults once and is back. Without ageing the set would grow to the union
+            # of every phase's working set, all of it made resident at each resume.
             # It is known before encoding: the next resume puts these pages back before the
             # vCPUs continue, so the store encodes them for decode speed (PageStore.encode's hot).
             faulted = self.handler.hot_pages(self._block_index).astype(np.int64)
-            hot_idx = np.union1d(faulted, self._prefetched_idx)
+            carried = np.setdiff1d(self._prefetched_idx, faulted, assume_unique=True)
+            self._hot_age[faulted] = 0
+            self._hot_age[carried] += 1
+            carried = carried[self._hot_age[carried] <= HOT_MAX_CARRY]
+            hot_idx = np.union1d(faulted, carried)
             t1 = time.perf_counter()
             res = self.store.encode(self.name, self.sharing_domain, idx, pages, self.template,
                                     use_siblings=self.use_siblings, hot=np.isin(idx, hot_idx))
@@ -371,7 +382,9 @@ class SandboxMemory:
         counters = asdict(h)
         for k in ("service_us_median", "service_us_p99", "service_samples"):
             counters.pop(k)
+        stored = (self.store.owned_bytes(self.name).as_dict() if self.name in self.store.sandboxes() else {})
         return {"name": self.name, "compressed": self.compressed, "registered": self.registered,
+                "copy_on_write": self.cow, "store": stored,
                 "handler": counters, "service_us": service,
                 "last_compress": asdict(self.last_compress), "last_resume": asdict(self.last_resume),
                 "compress_s_total": self.compress_s_total, "restore_s_total": self.restore_s_total}

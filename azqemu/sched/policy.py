@@ -6,11 +6,16 @@
 | none                | eager copy      | nothing (full-copy clones)                                |
 | none-cow            | copy-on-write   | nothing (pages only read stay shared with the template)  |
 | linux               | copy-on-write   | MADV_PAGEOUT to zram after the grace period; KSM merges  |
-| agentzip            | lazy            | compress after the grace period; resume with prefetch    |
-| agentzip-no-prefetch| lazy            | as agentzip, but resume serves every page on first touch |
-| agentzip-no-sibling | lazy            | as agentzip, template-relative only (no DUP/SDELTA bases of siblings) |
-| agentzip-pressure   | lazy            | phase-unaware: compress (and run on, lazily) the largest  |
+| agentzip            | copy-on-write   | compress after the grace period; resume with prefetch    |
+| agentzip-no-prefetch| copy-on-write   | as agentzip, but resume serves every page on first touch |
+| agentzip-no-sibling | copy-on-write   | as agentzip, template-relative only (no DUP/SDELTA bases of siblings) |
+| agentzip-pressure   | copy-on-write   | phase-unaware: compress (and run on, lazily) the largest  |
 |                     |                 | sandboxes whenever their memory crosses a budget          |
+
+The agentzip policies clone copy-on-write, like none-cow: pages the guest only reads stay the
+template's page cache, shared, from the first touch on; compression takes what the guest
+wrote (sandboxmem.py). Lazy clones (``manual``, ``azq clone --mode lazy``) copy each page
+they touch into their own memfd instead.
 """
 
 from __future__ import annotations

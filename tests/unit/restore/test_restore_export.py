@@ -44,7 +44,17 @@ def test_parse_error_reply() -> None:
     assert str(e).startswith("userfaultfd export at /run/x.sock refused: ENOTTY: the fd passed")
 
 
+def test_parse_private_block() -> None:
+    """A copy-on-write mapping comes without an fd (-1) and is marked private."""
+    r = parse_reply(b"AZQ1 OK\nfds 1\n"
+                    b"block 0x7f0000000000 536870912 0 4096 -1 /dev/shm/azqemu/templates/t/ram.img\n"
+                    b"private 0x7f0000000000\nend\n", 1)
+    (b,) = r["blocks"]
+    assert b.private and b.ram_fd_index == -1 and b.name.endswith("/ram.img")
+
+
 @pytest.mark.parametrize("reply,nfds,detail", [
+    (b"AZQ1 OK\nprivate 0x1000\nend\n", 1, "private names no block listed before it"),
     (b"HELLO\n", 0, "unexpected first line 'HELLO'"),
     (b"AZQ1 ERR x\n", 0, "malformed error line 'AZQ1 ERR x'"),
     (b"AZQ1 OK\nfds 2\n", 2, "reply does not end with 'end'"),
