@@ -531,11 +531,12 @@ class Manager:
         d["compressed"] = bool(mem is not None and mem.compressed)
         return d
 
-    def owned(self, name: str) -> dict[str, Any]:
+    def owned(self, name: str, store_overhead: float = 1.0) -> dict[str, Any]:
         """What the host spends on this sandbox alone (DESIGN.md, benchmark definitions).
 
         memfd clones (none, agentzip*): the RAM memfd's allocated pages plus the sandbox's
-        bytes in the page store (private encoded pages, its share of shared blobs, its index).
+        bytes in the page store (private encoded pages, its share of shared blobs, its index),
+        times ``store_overhead`` (the arenas' dead bytes, shared out pro rata).
         Copy-on-write clones (none-cow, linux): the private anonymous pages of the RAM mapping,
         minus what KSM merged plus the sandbox's share of merged pages, plus its share of
         zram's memory for what was swapped out. Template pages only mapped are the template's.
@@ -558,12 +559,13 @@ class Manager:
             resident = vma.get("Anonymous", 0)
             stored = owned - max(0, resident - vma.get("KSM", 0))
             if mem is not None:  # compressed by azqemu: its pages in the store too
-                stored += mem.stored_bytes()
-                owned += mem.stored_bytes()
+                in_store = mem.stored_bytes() * store_overhead
+                stored += in_store
+                owned += in_store
         else:
             # fstat of the memfd and the store's books: cheap enough to sample often.
             resident = self._resident_bytes(self.host.get_domain(name), rec.ram_mode) or 0
-            stored = mem.stored_bytes() if mem is not None else 0
+            stored = mem.stored_bytes() * store_overhead if mem is not None else 0
             owned = resident + stored
         return out | {"owned_bytes": int(owned), "resident_bytes": int(resident), "stored_bytes": int(stored),
                       "qemu_own_bytes": self._qemu_own_bytes(name, pid, rec.ram_mode, vma),
@@ -593,14 +595,21 @@ class Manager:
         import psutil
 
         names = names if names is not None else [r.name for r in self.sandboxes.list()]
+        # The store's arenas as tmpfs holds them (dead bytes not yet punched or compacted
+        # included): host memory. Those dead bytes are nobody's, so every sandbox's store
+        # bytes carry their share of them (pro rata): owned figures hide nothing.
+        store_bytes, overhead = 0, 1.0
+        if self._store is not None:
+            tb = self._store.total_bytes()
+            store_bytes = int(tb.arena_allocated_bytes)
+            dead = max(0, tb.arena_allocated_bytes - tb.arena_live_bytes)
+            overhead = 1.0 + dead / tb.total_bytes if tb.total_bytes else 1.0
         rows = {}
         for n in names:
             try:
-                rows[n] = self.owned(n)
+                rows[n] = self.owned(n, store_overhead=overhead)
             except AzqemuError as exc:
                 rows[n] = {"name": n, "error": str(exc)}
-        # The store's arenas as allocated (dead bytes before compaction included): host memory.
-        store_bytes = int(self._store.total_bytes().arena_used_bytes) if self._store is not None else 0
         return {"sandboxes": rows, "store_bytes": store_bytes,
                 "manager_rss_bytes": psutil.Process().memory_info().rss}
 

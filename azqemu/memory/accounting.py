@@ -67,6 +67,7 @@ class StoreBytes:
     arena_used_bytes: int      # arena bytes written (live + dead, before compaction)
     arena_live_bytes: int
     template_bytes: int        # the templates' own data pages, reported separately
+    arena_allocated_bytes: int = 0  # what the arena files hold in tmpfs (dead pages punched)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

@@ -5,9 +5,14 @@ arena file with pwrite(2) and read through a shared mapping of it (mmap(2) MAP_S
 file we ftruncate(2)d to its capacity; on tmpfs untouched capacity allocates nothing). A blob is addressed by
 (arena id, offset, length) in the store's blob table.
 
-Freed blobs leave dead bytes behind. An arena that holds only dead bytes is unlinked; one whose
-live share falls below ``COMPACT_LIVE_FRACTION`` is compacted by the store, which moves its
-live blobs to the current arena (it owns the table of locations) and then drops the file.
+Freed blobs leave dead bytes behind. Each arena counts the dead bytes of every 4 KiB page of
+its file; a page whose bytes are all dead is punched out of the file at once
+(FALLOC_FL_PUNCH_HOLE): blobs are written back to back and a sandbox's blobs die together when
+it is compressed again, so most dead bytes leave tmpfs as soon as they die, current arena
+included. An arena that holds only dead bytes is unlinked; one whose live share falls below
+``COMPACT_LIVE_FRACTION`` is compacted by the store, which moves its live blobs to the current
+arena (it owns the table of locations) and then drops the file. After a reopen the counts
+start from zero (pages already punched stay holes; the others wait for compaction).
 
 On-disk form of an arena file: a 4 KiB header page, then payloads.
     header: magic "AZQARENA" | u32 version | u32 arena id | 16 bytes store uuid |
@@ -21,7 +26,7 @@ import ctypes
 import mmap
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +46,13 @@ MAX_ARENA_BYTES = 1 << 32
 # Compact an arena (not the one being filled) once less than this share of it is live:
 # "empirically set" trade-off between copy work and dead tmpfs memory.
 COMPACT_LIVE_FRACTION = 0.5
+# tmpfs allocates and frees whole pages.
+FILE_PAGE_BYTES = 4096
+FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_PUNCH_HOLE = 0x02
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+_libc.fallocate.restype = ctypes.c_int
 
 
 @dataclass
@@ -53,6 +65,13 @@ class Arena:
     fd: int
     mm: mmap.mmap
     addr: int = 0      # address of the mapping, once asked for (valid while mm is open)
+    # Dead payload bytes in each 4 KiB page of the file (a page is punched when it is all dead).
+    dead: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint16))
+    punched_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if not len(self.dead):
+            self.dead = np.zeros(-(-self.capacity // FILE_PAGE_BYTES), dtype=np.uint16)
 
     @property
     def payload_bytes(self) -> int:
@@ -232,11 +251,56 @@ class ArenaSet:
         _NATIVE.azq_gather(len(src), out.ctypes.data, src.ctypes.data, lengths.ctypes.data)
         return out
 
-    def release(self, arena_id: int, length: int) -> None:
-        a = self.arenas[arena_id]
-        a.live -= length
-        if a.live <= 0 and a is not self.current:
-            self.drop(arena_id)
+    def release(self, arena_id: int, length: int, offset: int | None = None) -> None:
+        self.release_many(np.array([arena_id]), np.array([-1 if offset is None else offset]),
+                          np.array([length]))
+
+    def release_many(self, arena_ids: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> None:
+        """Blobs died: count their bytes dead, punch the pages of the file now all dead, and
+        drop an arena (not the current one) with nothing live left. An offset of -1 (not
+        known) only lowers the live count."""
+        arena_ids = np.asarray(arena_ids, dtype=np.int64)
+        offsets = np.asarray(offsets, dtype=np.int64)
+        lengths = np.asarray(lengths, dtype=np.int64)
+        for aid in np.unique(arena_ids).tolist():
+            sel = arena_ids == aid
+            a = self.arenas[aid]
+            a.live -= int(lengths[sel].sum())
+            if a.live <= 0 and a is not self.current:
+                self.drop(aid)
+                continue
+            known = sel & (offsets >= 0)
+            if known.any():
+                self._count_dead(a, offsets[known], lengths[known])
+
+    def _count_dead(self, a: Arena, offsets: np.ndarray, lengths: np.ndarray) -> None:
+        ps = FILE_PAGE_BYTES
+        ends = offsets + lengths
+        first, last = offsets // ps, (ends - 1) // ps
+        # Bytes of each blob in its first page, its last page and each page in between.
+        one = first == last
+        np.add.at(a.dead, first[one], lengths[one].astype(np.uint16))
+        multi = ~one
+        if multi.any():
+            f, l_ = first[multi], last[multi]
+            np.add.at(a.dead, f, ((f + 1) * ps - offsets[multi]).astype(np.uint16))
+            np.add.at(a.dead, l_, (ends[multi] - l_ * ps).astype(np.uint16))
+            spans = l_ - f - 1
+            if spans.any():
+                mids = np.concatenate([np.arange(x + 1, y) for x, y in zip(f[spans > 0].tolist(),
+                                                                           l_[spans > 0].tolist())])
+                np.add.at(a.dead, mids, np.uint16(ps))
+        touched = np.unique(np.concatenate([first, last]))
+        full = touched[a.dead[touched] >= ps]
+        if not len(full):
+            return
+        # Punch in runs; a page stays counted full, so it is never punched twice.
+        a.dead[full] = ps + 1
+        cuts = np.flatnonzero(np.diff(full) != 1) + 1
+        for run in np.split(full, cuts):
+            start, length = int(run[0]) * ps, len(run) * ps
+            if _libc.fallocate(a.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, start, length) == 0:
+                a.punched_bytes += length
 
     def drop(self, arena_id: int) -> None:
         a = self.arenas.pop(arena_id)
@@ -255,6 +319,11 @@ class ArenaSet:
     @property
     def used_bytes(self) -> int:
         return sum(a.payload_bytes for a in self.arenas.values())
+
+    @property
+    def allocated_bytes(self) -> int:
+        """What the arena files hold in tmpfs (punched pages and untouched capacity excluded)."""
+        return sum(os.fstat(a.fd).st_blocks * 512 for a in self.arenas.values())
 
     @property
     def live_bytes(self) -> int:

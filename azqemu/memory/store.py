@@ -367,8 +367,8 @@ class PageStore:
         freed = self._table.decref(ref[m].astype(np.int64))
         if freed:
             rows = self._table.rows
-            for b in freed:
-                self._arenas.release(int(rows["arena"][b]), int(rows["length"][b]))
+            b = np.asarray(freed, dtype=np.int64)
+            self._arenas.release_many(rows["arena"][b], rows["offset"][b], rows["length"][b])
             self._table.retire(freed)
 
     # ------------------------------------------------------------------ queries
@@ -585,7 +585,8 @@ class PageStore:
             total = sum(self.domain_bytes(d).total_bytes for d in self._table.domains)
             return StoreBytes(len(self._table.domains), len(self._sandboxes), total,
                               self._arenas.used_bytes, self._arenas.live_bytes,
-                              sum(t.data_bytes for t in self._templates.values()))
+                              sum(t.data_bytes for t in self._templates.values()),
+                              self._arenas.allocated_bytes)
 
     # ------------------------------------------------------------------ persistence
     def flush(self) -> None:

@@ -346,3 +346,24 @@ def test_malformed_metadata_with_valid_checksum_refused(flushed, small_template)
     write_store(flushed / STORE_FILE, meta, [bytes(body)])
     with pytest.raises(StoreCorrupt, match="blob count"):
         PageStore(flushed, templates=(small_template,))
+
+
+def test_dead_pages_leave_tmpfs_at_once(store_dir, small_set, small_template) -> None:
+    """Re-encoding a sandbox frees its old blobs: the arena pages they filled are punched
+    (the current arena included), the allocated bytes follow the live ones, and what is
+    still live decodes exactly."""
+    with PageStore(store_dir) as s:
+        idx, pages = small_set.sandboxes[0]
+        s.encode("a", "d", idx, pages, small_template)
+        after_first = s.total_bytes()
+        idx2, pages2 = small_set.sandboxes[1]
+        for _ in range(4):  # the same pages again and again with other content: old blobs die
+            s.encode("a", "d", idx, pages2[:len(idx)] if len(pages2) >= len(idx) else pages, small_template)
+            s.encode("a", "d", idx, pages, small_template)
+        tb = s.total_bytes()
+        assert tb.arena_used_bytes > 4 * after_first.arena_used_bytes    # written: all of it
+        assert tb.arena_allocated_bytes < 2 * after_first.arena_allocated_bytes + 8 * PAGE_SIZE
+        assert tb.arena_allocated_bytes >= tb.arena_live_bytes
+        stored = s.stored_pages("a")
+        np.testing.assert_array_equal(s.decode("a", stored), _expect(small_set, 0, stored))
+        s.check_consistency()
