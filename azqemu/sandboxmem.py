@@ -134,11 +134,15 @@ class SandboxMemory:
         # What a page nobody stored is: the template's page cache itself (copy-on-write),
         # the template image's bytes (lazy clone), or zero (eager clone).
         self._unstored: PageSource = ZeroSource()
+        # Copy-on-write: pages known to be zero are mapped to the zero page, not copied.
+        self._zero_src = ZeroSource()
         if self.cow:
             self._unstored = MappedSource()
         elif lazy_clone and self._template_src is not None:
             self._unstored = self._template_src
         self.sources = CompositeSource(pages, self.block.page_size, default=self._unstored)
+        if self.cow:
+            self.sources.register(self._zero_src)  # known to the fault handler from its start
         if name in store.sandboxes():
             # A restarted manager: pages stored before it died come from the store again.
             self.sources.assign(store.stored_pages(name), self._store_src)
@@ -263,7 +267,7 @@ class SandboxMemory:
             # Sources first, punch second: a page must be findable before it disappears.
             stored = np.sort(res.stored_idx.astype(np.int64))
             if self.cow:
-                stored = self._unstore_template_pages(stored)
+                stored = self._unstore_free_pages(stored)
             self.sources.assign(stored, self._store_src)
             t2 = time.perf_counter()
             try:
@@ -298,14 +302,17 @@ class SandboxMemory:
             self.handle.punch(self.block, s * PAGE_SIZE, n * PAGE_SIZE)
             punched += n
 
-    def _unstore_template_pages(self, stored: np.ndarray) -> np.ndarray:
-        """Copy-on-write: written pages whose bytes are the template's again need no entry;
-        mapped from the template's page cache they cost nothing. Returns the pages left."""
-        same = stored[self.store.page_kinds(self.name, stored) == Kind.TEMPLATE]
-        if len(same):
-            self.store.discard(self.name, same)
+    def _unstore_free_pages(self, stored: np.ndarray) -> np.ndarray:
+        """Copy-on-write: written pages whose bytes are the template's again, or zero,
+        need no entry: mapped from the template's page cache or to the zero page they cost
+        nothing until the guest writes them. Returns the pages left in the store."""
+        kinds = self.store.page_kinds(self.name, stored)
+        same, zero = stored[kinds == Kind.TEMPLATE], stored[kinds == Kind.ZERO]
+        if len(same) or len(zero):
+            self.store.discard(self.name, np.concatenate([same, zero]))
             self.sources.assign(same, self._unstored)
-        return np.setdiff1d(stored, same, assume_unique=True)
+            self.sources.assign(zero, self._zero_src)
+        return stored[(kinds != Kind.TEMPLATE) & (kinds != Kind.ZERO)]
 
     def _discard_copies(self, keep: np.ndarray) -> None:
         """Copy-on-write: have QEMU drop every page of the RAM mapping but ``keep`` (pages
@@ -341,11 +348,14 @@ class SandboxMemory:
                     st.prefetch_mib_s = r.mib_s
                     st.decode_s, st.copy_s = r.decode_s, r.copy_s
                 if self.cow:
-                    # Hot pages the guest only read: map them from the template (free).
+                    # Hot pages the template holds or that are zero: mapped, not copied (free).
                     t1 = time.perf_counter()
-                    mapped = np.setdiff1d(self.hot_idx, stored, assume_unique=True)
-                    st.mapped_pages = map_from_file(self.handle.uffd, self.block, mapped)
-                    self._prefetched_idx = np.union1d(self._prefetched_idx, mapped)
+                    kinds = np.frombuffer(self.sources.kinds, dtype=np.uint8)[self.hot_idx]
+                    mapped = self.hot_idx[kinds == 0]
+                    zero = self.hot_idx[kinds == self.sources.index_of(self._zero_src)]
+                    st.mapped_pages = (map_from_file(self.handle.uffd, self.block, mapped)
+                                       + map_from_file(self.handle.uffd, self.block, zero, zero=True))
+                    self._prefetched_idx = np.union1d(self._prefetched_idx, np.union1d(mapped, zero))
                     st.map_s = time.perf_counter() - t1
             self.compressed = False
             st.total_s = time.perf_counter() - t0

@@ -555,9 +555,9 @@ class Manager:
         if rec.ram_mode == "cow":
             start, end = find_guest_ram(pid, backing="ram.img")
             vma = hostmem.read_vma_smaps(pid, start, end)
-            owned = hostmem.linux_owned_bytes(vma, hostmem.read_ksm(), hostmem.read_zram_total())
+            owned: float = hostmem.linux_owned_bytes(vma, hostmem.read_ksm(), hostmem.read_zram_total())
             resident = vma.get("Anonymous", 0)
-            stored = owned - max(0, resident - vma.get("KSM", 0))
+            stored: float = owned - max(0, resident - vma.get("KSM", 0))
             if mem is not None:  # compressed by azqemu: its pages in the store too
                 in_store = mem.stored_bytes() * store_overhead
                 stored += in_store
@@ -565,7 +565,7 @@ class Manager:
         else:
             # fstat of the memfd and the store's books: cheap enough to sample often.
             resident = self._resident_bytes(self.host.get_domain(name), rec.ram_mode) or 0
-            stored = mem.stored_bytes() * store_overhead if mem is not None else 0
+            stored = mem.stored_bytes() * store_overhead if mem is not None else 0.0
             owned = resident + stored
         return out | {"owned_bytes": int(owned), "resident_bytes": int(resident), "stored_bytes": int(stored),
                       "qemu_own_bytes": self._qemu_own_bytes(name, pid, rec.ram_mode, vma),

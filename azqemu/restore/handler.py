@@ -42,7 +42,7 @@ import numpy as np
 from azqemu.restore import uffd_abi as abi
 from azqemu.restore.errors import UffdIoctlError
 from azqemu.restore.export import RamBlock, UffdHandle
-from azqemu.restore.source import CompositeSource, MappedSource, PageSource
+from azqemu.restore.source import CompositeSource, MappedSource, PageSource, ZeroSource
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,8 @@ class HandlerStats:
 class _Block:
     """Per-block state of the fast path (plain attributes: one lookup each)."""
 
-    __slots__ = ("block", "lo", "hi", "delta", "shift", "fill", "hot", "discarded", "out", "mapped", "base")
+    __slots__ = ("block", "lo", "hi", "delta", "shift", "fill", "hot", "discarded", "out", "mapped", "base",
+                 "zero_kind")
 
     def __init__(self, block: RamBlock, source: PageSource, page_mv: memoryview) -> None:
         self.block = block
@@ -87,12 +88,16 @@ class _Block:
         self.discarded = bytearray(block.page_count)
         self.out = page_mv[:block.page_size]  # the page buffer, this block's page size
         # A copy-on-write block whose pages default to the template's page cache: pages of
-        # source 0 in ``mapped`` are answered by UFFDIO_CONTINUE (CompositeSource.kinds).
+        # source 0 in ``mapped`` are answered by UFFDIO_CONTINUE (CompositeSource.kinds), and
+        # pages of its ZeroSource (registered before the handler starts) by UFFDIO_ZEROPAGE:
+        # neither copies, neither costs the sandbox memory until the guest writes.
         self.mapped: bytearray | None = None
         self.base = 0
+        self.zero_kind = -1
         if isinstance(source, CompositeSource) and isinstance(source.default, MappedSource):
             self.mapped = source.kinds
             self.base = source.base_offset
+            self.zero_kind = next((i for i, src in enumerate(source.sources) if isinstance(src, ZeroSource)), -1)
 
 
 class FaultHandler:
@@ -330,8 +335,8 @@ class FaultHandler:
         shift = b.shift
         page = address >> shift << shift
         page_size = 1 << shift
-        if b.mapped is not None and b.mapped[(page + b.delta - b.base) >> shift] == 0:
-            if self._map_from_file(page, page_size):
+        if b.mapped is not None and (k := b.mapped[(page + b.delta - b.base) >> shift]) in (0, b.zero_kind):
+            if self._map_from_file(page, page_size, zero=k != 0):
                 b.hot[(page - b.lo) >> shift] = 1
                 self._ring_mv[self._samples & self._ring_mask] = time.perf_counter_ns() - t0
                 self._samples += 1
@@ -361,27 +366,30 @@ class FaultHandler:
         self._ring_mv[self._samples & self._ring_mask] = time.perf_counter_ns() - t0
         self._samples += 1
 
-    def _map_from_file(self, page: int, page_size: int) -> bool:
+    def _map_from_file(self, page: int, page_size: int, zero: bool = False) -> bool:
         """Answer a fault on a page the template holds: UFFDIO_CONTINUE maps its
-        page-cache page; over a hole of the template file (EFAULT: nothing cached) the
-        zero page is the content. True if the fault counts as answered."""
+        page-cache page; over a hole of the template file (EFAULT: nothing cached), or for
+        a page known to be zero (``zero``), the zero page is the content. True if the fault
+        counts as answered."""
         aq = self._map_q
         aq[0] = page
         aq[1] = page_size
         aq[2] = 0
         aq[3] = 0
-        op = "UFFDIO_CONTINUE"
-        try:
-            fcntl.ioctl(self._uffd, abi.UFFDIO_CONTINUE, self._map_arg, True)
-        except OSError as err:
-            if err.errno != errno.EFAULT:
-                return self._copy_failed(err.errno, page, page_size, op)
-            op = "UFFDIO_ZEROPAGE"
-            aq[2] = aq[3] = 0
+        if not zero:
             try:
-                fcntl.ioctl(self._uffd, abi.UFFDIO_ZEROPAGE, self._map_arg, True)
-            except OSError as zerr:
-                return self._copy_failed(zerr.errno, page, page_size, op)
+                fcntl.ioctl(self._uffd, abi.UFFDIO_CONTINUE, self._map_arg, True)
+            except OSError as err:
+                if err.errno != errno.EFAULT:
+                    return self._copy_failed(err.errno, page, page_size, "UFFDIO_CONTINUE")
+            else:
+                self._served += 1
+                return True
+            aq[2] = aq[3] = 0
+        try:
+            fcntl.ioctl(self._uffd, abi.UFFDIO_ZEROPAGE, self._map_arg, True)
+        except OSError as zerr:
+            return self._copy_failed(zerr.errno, page, page_size, "UFFDIO_ZEROPAGE")
         self._served += 1
         return True
 

@@ -298,10 +298,11 @@ def prefetch(uffd: int, block: RamBlock, page_idxs: object, source: PageSource) 
 
 
 
-def map_from_file(uffd: int, block: RamBlock, page_idxs: np.ndarray) -> int:
+def map_from_file(uffd: int, block: RamBlock, page_idxs: np.ndarray, *, zero: bool = False) -> int:
     """Map pages of a copy-on-write block from the template's page cache, in runs
-    (UFFDIO_CONTINUE; the zero page over a hole of the template file). Costs no copy and
-    no memory of the sandbox's own. Pages already mapped are skipped. Returns pages mapped."""
+    (UFFDIO_CONTINUE; the zero page over a hole of the template file), or with ``zero``
+    the zero page itself (pages known to be zero). Costs no copy and no memory of the
+    sandbox's own. Pages already mapped are skipped. Returns pages mapped."""
     idx = np.unique(np.asarray(page_idxs, dtype=np.int64))
     ps = block.page_size
     mapped = 0
@@ -311,7 +312,10 @@ def map_from_file(uffd: int, block: RamBlock, page_idxs: np.ndarray) -> int:
         while page < end:
             hva = block.hva + page * ps
             try:
-                n = uffd_ops.continue_range(uffd, hva, (end - page) * ps) // ps
+                if zero:
+                    n = uffd_ops.zeropage(uffd, hva, (end - page) * ps) // ps
+                else:
+                    n = uffd_ops.continue_range(uffd, hva, (end - page) * ps) // ps
                 mapped += n
             except UffdIoctlError as err:
                 if err.errno == errno.EFAULT:      # a hole: nothing in the page cache

@@ -244,6 +244,21 @@ class CompositeSource:
                 raise IndexError(f"page index out of 0..{self.page_count - 1}")
         kind[pages] = self._index(source)
 
+    def register(self, source: PageSource) -> int:
+        """Make ``source`` known (no pages yet); returns its index in ``kinds``."""
+        return self._index(source)
+
+    def index_of(self, source: PageSource) -> int:
+        """Index of ``source`` in ``kinds``, -1 if it serves nothing."""
+        for i, known in enumerate(self._sources):
+            if known is source:
+                return i
+        return -1
+
+    @property
+    def sources(self) -> tuple[PageSource, ...]:
+        return tuple(self._sources)
+
     @property
     def default(self) -> PageSource:
         return self._sources[0]
