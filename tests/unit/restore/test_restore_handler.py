@@ -10,6 +10,7 @@ is in tests/integration/test_uffd_export.py.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
@@ -24,8 +25,8 @@ from azqemu.restore import uffd_abi as abi
 from azqemu.restore.errors import PageUnavailable, UffdIoctlError
 from azqemu.restore.export import RamBlock, UffdHandle
 from azqemu.restore.handler import FaultHandler
-from azqemu.restore.prefetch import Prefetcher, page_runs, prefetch
-from azqemu.restore.source import CompositeSource, StoreSource, ZeroSource
+from azqemu.restore.prefetch import Prefetcher, map_from_file, page_runs, prefetch
+from azqemu.restore.source import CompositeSource, MappedSource, StoreSource, ZeroSource
 
 PS = 4096
 PAGES = 256
@@ -371,3 +372,114 @@ def test_handler_restarts_after_stop(ram: Ram) -> None:
             h2.start()
         finally:
             h2.close()
+
+
+class CowRam:
+    """A tmpfs "template" file mapped MAP_PRIVATE (as QEMU maps it for a copy-on-write
+    clone), with a hole in its last page, and a uffd asking for MINOR_SHMEM."""
+
+    def __init__(self, pages: int = 64) -> None:
+        self.pages = pages
+        self.size = pages * PS
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+        self.path = os.path.join(base, f"azq-unit-cow-{os.getpid()}")
+        with open(self.path, "wb") as f:
+            for i in range(pages - 1):
+                f.write(pattern(i))
+            f.truncate(self.size)          # the last page: a hole of the file
+        self.fd = os.open(self.path, os.O_RDONLY)
+        self.map = mmap.mmap(self.fd, self.size, flags=mmap.MAP_PRIVATE,
+                             prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self._pin = ctypes.c_char.from_buffer(self.map)
+        self.addr = ctypes.addressof(self._pin)
+        self.block = RamBlock(self.addr, self.size, 0, PS, self.path, -1, private=True)
+        fd = make_uffd_features(abi.UFFD_FEATURE_MISSING_SHMEM | abi.UFFD_FEATURE_MINOR_SHMEM)
+        self.handle = UffdHandle(uffd=fd, ram_fds=[], blocks=[self.block],
+                                 features=abi.UFFD_FEATURE_MISSING_SHMEM | abi.UFFD_FEATURE_MINOR_SHMEM)
+        self.store = Store()
+
+    def read(self, page_idx: int) -> bytes:
+        out = ctypes.create_string_buffer(PS)
+        ctypes.memmove(out, self.addr + page_idx * PS, PS)
+        return out.raw
+
+    def close(self) -> None:
+        with contextlib.suppress(UffdIoctlError):
+            self.handle.unregister(self.addr, self.size)
+        self.handle.close()
+        del self._pin
+        self.map.close()
+        os.close(self.fd)
+        os.unlink(self.path)
+
+
+def make_uffd_features(features: int) -> int:
+    try:
+        dev = uffd.open_dev()
+        try:
+            fd = uffd.new_from_dev(dev)
+        finally:
+            os.close(dev)
+    except (PermissionError, UffdIoctlError):
+        pytest.skip("needs /dev/userfaultfd (root)")
+    try:
+        uffd.api(fd, features)
+    except UffdIoctlError as err:
+        os.close(fd)
+        pytest.skip(f"kernel lacks MINOR_SHMEM: {err}")
+    return fd
+
+
+def test_copy_on_write_pages_come_back_by_copy_continue_and_zeropage() -> None:
+    """After a DISCARD (MADV_DONTNEED of the private mapping, range registered MISSING+MINOR)
+    a stored page comes back by UFFDIO_COPY with the guest's bytes, a template page by
+    UFFDIO_CONTINUE (the file's page cache), a zero page by UFFDIO_ZEROPAGE and the file's
+    hole by ZEROPAGE too; the prefetcher's mapping does the same in bulk."""
+    ram = CowRam()
+    try:
+        for i in (1, 2, 5):                 # the guest writes three pages
+            ram.map[i * PS:(i + 1) * PS] = pattern(i, gen=7)
+        ram.map[9 * PS:10 * PS] = bytes(PS)  # and zeroes one
+        ram.store.pages = {i: pattern(i, gen=7) for i in (1, 2, 5)}
+        zero_src = ZeroSource()
+        comp = CompositeSource(ram.pages, PS, default=MappedSource())
+        comp.register(zero_src)
+        comp.assign([1, 2, 5], StoreSource(ram.store, "sb"))
+        comp.assign([9], zero_src)
+        ram.handle.register(ram.addr, ram.size, minor=True)
+        assert libc.madvise(ram.addr, ram.size, MADV_DONTNEED) == 0
+        h = FaultHandler(ram.handle, comp)
+        h.start()
+        try:
+            got: dict[int, bytes] = {}
+
+            def run() -> None:
+                for i in range(ram.pages):
+                    got[i] = ram.read(i)
+            t = threading.Thread(target=run, daemon=True)
+            t.start()
+            t.join(10)
+            assert not t.is_alive()
+            for i in range(ram.pages):
+                want = (pattern(i, gen=7) if i in (1, 2, 5) else bytes(PS) if i in (9, ram.pages - 1)
+                        else pattern(i))
+                assert got[i] == want, i
+            assert h.stats().served == ram.pages and h.stats().errors == 0
+            # Again, through the bulk path: discard, then map before touching.
+            assert libc.madvise(ram.addr, ram.size, MADV_DONTNEED) == 0
+            tpl = np.array([0, 3, 4, ram.pages - 1])
+            assert map_from_file(ram.handle.uffd, ram.block, tpl) == 4
+            assert map_from_file(ram.handle.uffd, ram.block, np.array([9]), zero=True) == 1
+            assert map_from_file(ram.handle.uffd, ram.block, tpl) == 0   # mapped already
+            faults = h.stats().faults
+            assert [ram.read(i) for i in (0, 3, 9)] == [pattern(0), pattern(3), bytes(PS)]
+            assert h.stats().faults == faults
+        finally:
+            h.close()
+        # A write to a mapped template page copies it: the file keeps its bytes.
+        ram.map[0:PS] = pattern(0, gen=9)
+        assert ram.read(0) == pattern(0, gen=9)
+        with open(ram.path, "rb") as f:
+            assert f.read(PS) == pattern(0)
+    finally:
+        ram.close()
