@@ -34,12 +34,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from azqemu.memory.cowscan import private_pages, read_private_pages
 from azqemu.restore import uffd_abi as abi
 from azqemu.restore.errors import ExportRefused, ExportUnavailable
 from azqemu.restore.export import PROTO, RamBlock, UffdExport, UffdHandle
 from azqemu.restore.handler import FaultHandler
 from azqemu.restore.prefetch import Prefetcher
-from azqemu.restore.source import CompositeSource, StoreSource, TemplateSource
+from azqemu.restore.source import CompositeSource, MappedSource, StoreSource, TemplateSource
 
 REPO = Path(__file__).resolve().parents[2]
 LIB_SRC = REPO / "qemu-patches" / "azq_uffd.c"
@@ -163,7 +164,7 @@ class Guest:
                 self.proc.wait()
         if self.backend != "memfd":
             try:
-                os.unlink(self.backend)
+                os.unlink(self.backend.removeprefix("private:"))
             except FileNotFoundError:
                 pass
 
@@ -271,6 +272,42 @@ def test_dev_shm_backend(built: Built) -> None:
     assert not os.path.exists(path)
 
 
+def test_private_mapping_discard_and_minor_faults(built: Built) -> None:
+    """A copy-on-write mapping (MAP_PRIVATE of a tmpfs file): reported without its fd,
+    DISCARD refused outside it, and the compressor's cycle on it (read the written pages,
+    register MISSING+MINOR, discard) leaves a guest that reads its own bytes back."""
+    path = f"/dev/shm/azq-uffd-cow-{os.getpid()}"
+    g = Guest(built, 8, "private:" + path)
+    try:
+        with UffdExport.connect(g.socket_path, 5) as h:
+            (b,) = h.blocks
+            assert b.private and b.ram_fd_index == -1 and h.ram_fds == [] and b.name == path
+            assert h.features & abi.UFFD_FEATURE_MINOR_SHMEM
+            with UffdExport(g.socket_path, 5) as exp:
+                for hva, size in ((b.hva + 1, PS), (b.hva, b.size_bytes + PS), (b.hva - PS, PS)):
+                    with pytest.raises(ExportRefused) as exc:
+                        exp.discard(hva, size)
+                    assert exc.value.errno_name == "EINVAL"
+            idx, pages = read_private_pages(g.pid, b.hva, b.page_count)
+            assert idx.tolist() == list(range(b.page_count))  # the guest wrote every page
+            store = ArrayStore(b.page_count)
+            store.data[:] = pages.reshape(-1)
+            store.held[:] = True
+            comp = CompositeSource(b.page_count, PS, default=MappedSource())
+            comp.assign(idx, StoreSource(store, "g"))
+            h.register(b.hva, b.size_bytes, minor=True)
+            with FaultHandler(h, comp) as handler:
+                with UffdExport(g.socket_path, 5) as exp:
+                    exp.discard(b.hva, b.size_bytes)
+                assert len(private_pages(g.pid, b.hva, b.page_count)) == 0
+                g.run()
+                assert_clean(g.wait_done(), g)
+                assert handler.stats().served >= b.page_count
+    finally:
+        g.close()
+    assert not os.path.exists(path)
+
+
 def test_library_side_registration(guest: Guest) -> None:
     with UffdExport(guest.socket_path, 5) as exp:
         with pytest.raises(ExportRefused) as exc:
@@ -330,7 +367,13 @@ def test_unknown_request_and_stray_fds(guest: Guest) -> None:
     with sock:
         sock.send(b"AZQ1 FROB\n")
         assert sock.recv(4096) == (b"AZQ1 ERR 71 EPROTO unknown request 'AZQ1 FROB' "
-                                   b"(expected AZQ1 HELLO|REGISTER|UNREGISTER)\n")
+                                   b"(expected AZQ1 HELLO|REGISTER|UNREGISTER|DISCARD)\n")
+        # DISCARD acts on copy-on-write (private) RAM only; this guest's RAM is shared.
+        sock.send(f"{PROTO} DISCARD {guest.hva:#x} {PS}\n".encode())
+        assert sock.recv(4096) == (f"AZQ1 ERR 22 EINVAL {guest.hva:#x}+{PS} is not inside a private "
+                                   "RAM block\n").encode()
+        sock.send(f"{PROTO} DISCARD 0x1000\n".encode())
+        assert sock.recv(4096) == b"AZQ1 ERR 22 EINVAL expected '<hva-hex> <len>'\n"
         null = os.open("/dev/null", os.O_RDONLY)
         socket.send_fds(sock, [f"{PROTO} REGISTER all\n".encode()], [null])
         os.close(null)
@@ -355,7 +398,7 @@ def test_process_without_shared_ram(built: Built) -> None:
         with pytest.raises(ExportRefused) as exc:
             UffdExport.connect(sock, 5)
         assert (exc.value.errno_name, exc.value.detail) == (
-            "ENOENT", "no shared tmpfs/hugetlbfs mapping (guest RAM) in this process")
+            "ENOENT", "no tmpfs/hugetlbfs mapping (guest RAM) in this process")
     finally:
         proc.terminate()
         proc.wait()

@@ -211,11 +211,16 @@ static void *run(void *arg)
 int main(int argc, char **argv)
 {
     if (argc < 2) {
-        fprintf(stderr, "usage: %s SIZE_MIB [memfd|/dev/shm/PATH]\n", argv[0]);
+        fprintf(stderr, "usage: %s SIZE_MIB [memfd|/dev/shm/PATH|private:/dev/shm/PATH]\n", argv[0]);
         return 2;
     }
     size_t size = (size_t)strtoul(argv[1], NULL, 0) << 20;
     const char *backend = argc > 2 ? argv[2] : "memfd";
+    /* private:/dev/shm/PATH maps the file MAP_PRIVATE, as QEMU maps a template image for
+     * a copy-on-write clone (share=off). */
+    int private_map = strncmp(backend, "private:", 8) == 0;
+    if (private_map)
+        backend += 8;
     if (strcmp(backend, "memfd") == 0)
         g_fd = memfd_create("azq-guest-ram", MFD_CLOEXEC);
     else
@@ -224,7 +229,7 @@ int main(int argc, char **argv)
         perror("backing");
         return 1;
     }
-    g_ram = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, g_fd, 0);
+    g_ram = mmap(NULL, size, PROT_READ | PROT_WRITE, private_map ? MAP_PRIVATE : MAP_SHARED, g_fd, 0);
     if (g_ram == MAP_FAILED) {
         perror("mmap");
         return 1;
