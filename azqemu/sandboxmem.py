@@ -63,10 +63,6 @@ log = logging.getLogger(__name__)
 
 # QEMU creates the export socket when its constructor runs; a clone asks right after start.
 EXPORT_CONNECT_TIMEOUT_S = 10.0
-# A page prefetched at resume never faults, so use cannot be seen: it stays in the hot
-# set for this many phases after its last fault ("empirically set": one fault every
-# HOT_MAX_CARRY + 1 phases for a page always in use, against prefetching dead pages).
-HOT_MAX_CARRY = 3
 
 
 class CompressCancelled(RestoreError):
@@ -152,8 +148,6 @@ class SandboxMemory:
         self.compressed = False
         self.hot_idx = np.empty(0, dtype=np.int64)
         self._prefetched_idx = np.empty(0, dtype=np.int64)
-        # Per page: phases it has stayed hot only because the prefetch brought it back.
-        self._hot_age = np.zeros(pages, dtype=np.uint8)
         self.last_compress = CompressStats()
         self.last_resume = ResumeStats()
         self.compress_s_total = 0.0
@@ -241,18 +235,16 @@ class SandboxMemory:
             # the prefetch (it did not fault because it was already there). Without the
             # second part the set would flip between two halves from one wait to the next.
             # Prefetched pages that went untouched cannot be told apart here (no idle-page
-            # tracking in this kernel), so a page carried only by the prefetch ages: after
-            # HOT_MAX_CARRY phases without a fault it leaves the set, and if it is still in
-            # use it faults once and is back. Without ageing the set would grow to the union
-            # of every phase's working set, all of it made resident at each resume.
+            # tracking in this kernel), so the set is the union of the working sets seen.
+            # Ageing out pages only the prefetch kept was tried and measured worse: a tool
+            # that runs every few phases (the unit tests) lost its pages to the ageing and
+            # paid thousands of faults when it came back, each a round trip to this process
+            # on a host whose cores the guests keep busy. For a copy-on-write clone most of
+            # the set is template and zero pages, which cost nothing mapped.
             # It is known before encoding: the next resume puts these pages back before the
             # vCPUs continue, so the store encodes them for decode speed (PageStore.encode's hot).
             faulted = self.handler.hot_pages(self._block_index).astype(np.int64)
-            carried = np.setdiff1d(self._prefetched_idx, faulted, assume_unique=True)
-            self._hot_age[faulted] = 0
-            self._hot_age[carried] += 1
-            carried = carried[self._hot_age[carried] <= HOT_MAX_CARRY]
-            hot_idx = np.union1d(faulted, carried)
+            hot_idx = np.union1d(faulted, self._prefetched_idx)
             t1 = time.perf_counter()
             res = self.store.encode(self.name, self.sharing_domain, idx, pages, self.template,
                                     use_siblings=self.use_siblings, hot=np.isin(idx, hot_idx))

@@ -9,8 +9,8 @@ Freed blobs leave dead bytes behind. Each arena counts the dead bytes of every 4
 its file; a page whose bytes are all dead is punched out of the file at once
 (FALLOC_FL_PUNCH_HOLE): blobs are written back to back and a sandbox's blobs die together when
 it is compressed again, so most dead bytes leave tmpfs as soon as they die, current arena
-included. An arena that holds only dead bytes is unlinked; one whose live share falls below
-``COMPACT_LIVE_FRACTION`` is compacted by the store, which moves its live blobs to the current
+included. An arena that holds only dead bytes is unlinked; one whose live share of what tmpfs holds for it falls below
+``COMPACT_LIVE_FRACTION`` is compacted by the store (the current arena too), which moves its live blobs to the current
 arena (it owns the table of locations) and then drops the file. After a reopen the counts
 start from zero (pages already punched stay holes; the others wait for compaction).
 
@@ -46,6 +46,8 @@ MAX_ARENA_BYTES = 1 << 32
 # Compact an arena (not the one being filled) once less than this share of it is live:
 # "empirically set" trade-off between copy work and dead tmpfs memory.
 COMPACT_LIVE_FRACTION = 0.5
+# Below this much held, an arena is not worth a compaction.
+COMPACT_MIN_BYTES = 1 << 20
 # tmpfs allocates and frees whole pages.
 FILE_PAGE_BYTES = 4096
 FALLOC_FL_KEEP_SIZE = 0x01
@@ -312,9 +314,19 @@ class ArenaSet:
             pass
 
     def compaction_candidates(self) -> list[int]:
-        return [a.arena_id for a in self.arenas.values()
-                if a is not self.current and a.payload_bytes > 0
-                and a.live < COMPACT_LIVE_FRACTION * a.payload_bytes]
+        """Arenas whose live bytes are under COMPACT_LIVE_FRACTION of what tmpfs holds for
+        them (dead pages already punched do not count), the current one included: small
+        blobs of many sandboxes die a few at a time and leave pages part live, part dead."""
+        out = []
+        for a in self.arenas.values():
+            held = os.fstat(a.fd).st_blocks * 512 - ARENA_HEADER_BYTES
+            if held > COMPACT_MIN_BYTES and a.live < COMPACT_LIVE_FRACTION * held:
+                out.append(a.arena_id)
+        return out
+
+    def retire_current(self) -> None:
+        """The next append opens a new arena (the current one is about to be compacted)."""
+        self.current = None
 
     @property
     def used_bytes(self) -> int:

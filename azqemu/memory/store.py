@@ -282,6 +282,7 @@ class PageStore:
                 with self._lock:
                     if self._plan_still_valid(plan):
                         result = self._commit(sandbox, d, template, plan)
+                        self._maybe_compact()
                         break
             else:
                 raise StoreError("encode kept racing with concurrent frees")
@@ -551,7 +552,7 @@ class PageStore:
             live = np.flatnonzero((rows["refcount"] > 0) & (rows["arena"] == arena_id))
             payloads = [self._arenas.read(arena_id, int(rows["offset"][b]), int(rows["length"][b])) for b in live]
             if self._arenas.current is not None and self._arenas.current.arena_id == arena_id:
-                return
+                self._arenas.retire_current()
             locs = self._arenas.append(payloads)
             for b, (a, o) in zip(live, locs):
                 table.rows["arena"][b] = a

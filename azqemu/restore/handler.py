@@ -25,6 +25,7 @@ the ioctl argument are preallocated, and stats go into preallocated arrays.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -51,6 +52,9 @@ log = logging.getLogger(__name__)
 BATCH_MSGS = 64
 # Service times kept for stats (a ring: the newest RING_SIZE faults).
 RING_SIZE = 1 << 16
+# Scheduling priority of the handler thread (needs CAP_SYS_NICE, which the root manager
+# has; elsewhere the thread keeps its priority). Its work is short and a vCPU waits on it.
+HANDLER_NICE = -10
 # Poll timeout while faults wait for a source that answered Retry: short enough that a
 # vCPU does not notice, long enough not to spin a shared core.
 RETRY_INTERVAL_MS = 1
@@ -266,6 +270,10 @@ class FaultHandler:
 
     # -- the loop ------------------------------------------------------------------------
     def _run(self) -> None:
+        # A vCPU waits while its fault is served: the handler must win the CPU from the
+        # guests that keep the host's cores busy (a wake-up a scheduler slice late is ms).
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), HANDLER_NICE)
         try:
             self._loop()
         except BaseException as exc:  # the thread must say why it died

@@ -367,3 +367,28 @@ def test_dead_pages_leave_tmpfs_at_once(store_dir, small_set, small_template) ->
         stored = s.stored_pages("a")
         np.testing.assert_array_equal(s.decode("a", stored), _expect(small_set, 0, stored))
         s.check_consistency()
+
+
+def test_part_dead_arenas_are_compacted_current_included(store_dir, small_set, small_template,
+                                                         monkeypatch) -> None:
+    """Blobs dying here and there leave pages part live, part dead, which punching cannot
+    free: the arena (the current one too) is compacted once tmpfs holds more than twice
+    its live bytes, and every page still decodes to its bytes."""
+    from azqemu.memory import arena
+
+    slack = 64 << 10
+    monkeypatch.setattr(arena, "COMPACT_MIN_BYTES", slack)
+    with PageStore(store_dir) as s:
+        names = ("a", "b", "c")
+        _fill(s, small_set, small_template, names)
+        for name in names:
+            stored = s.stored_pages(name)
+            s.discard(name, stored[::3])
+            s.discard(name, stored[1::3])
+        tb = s.total_bytes()
+        assert 0 not in s._arenas.arenas                      # the first (current) arena moved
+        assert tb.arena_allocated_bytes <= 2 * tb.arena_live_bytes + slack + 2 * PAGE_SIZE
+        for k, name in enumerate(names):
+            stored = s.stored_pages(name)
+            np.testing.assert_array_equal(s.decode(name, stored), _expect(small_set, k, stored))
+        s.check_consistency()
