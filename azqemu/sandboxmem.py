@@ -18,10 +18,12 @@ Copy-on-write clones (a MAP_PRIVATE mapping of the template's RAM image, ``RamBl
 keep everything the guest only read in the template's page cache, shared. Compress reads
 the pages the guest wrote (anonymous copies, told apart through /proc/PID/pagemap), encodes
 them, registers the range in MISSING+MINOR mode and has QEMU drop every page of it
-(MADV_DONTNEED, the export's DISCARD). A later touch faults to the handler: stored pages
-are copied back, the others are mapped from the template's page cache (UFFDIO_CONTINUE) at
-no cost of the sandbox's own. Written pages equal to the template's go back to being
-mapped. Resume maps the hot template pages the same way and copies the hot stored ones.
+(MADV_DONTNEED, the export's DISCARD) of the copies. Every page not in the store is then
+mapped again at once, from the template's page cache (UFFDIO_CONTINUE) or to the zero page
+(written pages that came out equal to the template's or zero, and at the first compression
+everything the guest had not touched yet): no copy, no memory of the sandbox's own, and
+the guest faults to the manager only for pages the store holds. Resume copies the hot ones
+back.
 
 Known race, accepted: with the vCPUs paused, QEMU's device threads could still write guest
 RAM (DMA of a virtio device the host feeds while paused) between the scan and the punch of
@@ -42,7 +44,7 @@ import numpy as np
 
 from azqemu.config import PAGE_SIZE
 from azqemu.errors import RestoreError
-from azqemu.memory.cowscan import private_pages, read_private_pages
+from azqemu.memory.cowscan import private_pages, read_private_pages, unmapped_pages
 from azqemu.memory.kinds import Kind
 from azqemu.memory.ram import read_resident_pages
 from azqemu.memory.store import PageStore
@@ -79,6 +81,7 @@ class CompressStats:
     pages_by_kind: dict[str, int] = field(default_factory=dict)
     bytes_by_kind: dict[str, int] = field(default_factory=dict)
     hot_pages: int = 0
+    mapped_pages: int = 0      # copy-on-write: pages mapped from the template or to the zero page
     scan_s: float = 0.0
     encode_s: float = 0.0
     punch_s: float = 0.0
@@ -93,8 +96,6 @@ class ResumeStats:
     prefetch_mib_s: float = 0.0
     decode_s: float = 0.0      # pages decoded from the store (overlaps copy_s: pipelined)
     copy_s: float = 0.0        # UFFDIO_COPY into QEMU
-    mapped_pages: int = 0      # copy-on-write: hot template pages mapped (UFFDIO_CONTINUE)
-    map_s: float = 0.0
     total_s: float = 0.0
 
 
@@ -264,7 +265,8 @@ class SandboxMemory:
             t2 = time.perf_counter()
             try:
                 if self.cow:
-                    self._discard_copies(keep=res.raw_idx)
+                    # Every copy goes but the incompressible ones, which stay resident.
+                    self._discard_copies(np.setdiff1d(idx, res.raw_idx, assume_unique=True))
                 else:
                     self._punch(stored)
             except CompressCancelled as cancel:
@@ -273,6 +275,8 @@ class SandboxMemory:
                 self.store.discard(self.name, left)
                 self.sources.assign(left, self._unstored)
                 st.cancelled = True
+            if self.cow and not st.cancelled:
+                st.mapped_pages = self._map_unstored()
             self.store.flush()
             st.punch_s = time.perf_counter() - t2
             st.total_s = time.perf_counter() - t0
@@ -306,21 +310,35 @@ class SandboxMemory:
             self.sources.assign(zero, self._zero_src)
         return stored[(kinds != Kind.TEMPLATE) & (kinds != Kind.ZERO)]
 
-    def _discard_copies(self, keep: np.ndarray) -> None:
-        """Copy-on-write: have QEMU drop every page of the RAM mapping but ``keep`` (pages
-        the store did not take: incompressible, they stay resident), one madvise per run;
-        the range is registered, so every later touch comes to the handler. Cancellable
-        only before the first madvise (the pages dropped are then no prefix of ``stored``)."""
+    def _discard_copies(self, pages: np.ndarray) -> None:
+        """Copy-on-write: have QEMU drop these copies (madvise in runs, many runs per
+        request); the range is registered, so a later touch comes to the handler.
+        Cancellable only before the first madvise (the pages dropped are then no prefix of
+        ``stored``)."""
         self._check_cancel()
-        keep = np.unique(np.asarray(keep, dtype=np.int64))
-        ends = np.concatenate((keep, [self.block.page_count]))
-        starts = np.concatenate(([0], keep + 1))
-        with UffdExport(self._uffd_socket, EXPORT_CONNECT_TIMEOUT_S) as export:
-            for first, end in zip(starts.tolist(), ends.tolist(), strict=True):
-                if end > first:
-                    export.discard(self.block.hva + first * PAGE_SIZE, (end - first) * PAGE_SIZE)
+        starts, lengths = page_runs(np.asarray(pages, dtype=np.int64))
+        ranges = [(self.block.hva + s * PAGE_SIZE, n * PAGE_SIZE)
+                  for s, n in zip(starts.tolist(), lengths.tolist(), strict=True)]
+        if ranges:
+            with UffdExport(self._uffd_socket, EXPORT_CONNECT_TIMEOUT_S) as export:
+                export.discard_ranges(ranges)
         # Our own madvise reported itself as REMOVE events: they are not guest discards.
         self.handler.reset_discarded()
+
+    def _map_unstored(self) -> int:
+        """Copy-on-write: map every page that is not mapped and not in the store, from the
+        template's page cache (UFFDIO_CONTINUE) or as the zero page (template holes, pages
+        known zero). They cost the sandbox nothing (page tables aside: 8 bytes a page), and
+        the guest then faults to this process only for pages the store holds. The first
+        compression maps what the guest never touched since the clone started; later ones
+        mostly the pages just discarded that came out TEMPLATE or ZERO."""
+        unmapped = unmapped_pages(self.handle.pid, self.block.hva, self.block.page_count)
+        kinds = np.frombuffer(self.sources.kinds, dtype=np.uint8)[unmapped]
+        from_template = unmapped[kinds == 0]
+        data = self.template.rows(from_template) >= 0
+        zero = np.union1d(from_template[~data], unmapped[kinds == self.sources.index_of(self._zero_src)])
+        return (map_from_file(self.handle.uffd, self.block, from_template[data])
+                + map_from_file(self.handle.uffd, self.block, zero, zero=True))
 
     # -- resume ---------------------------------------------------------------------------
     def prefetch(self, *, hot: bool = True) -> ResumeStats:
@@ -339,16 +357,6 @@ class SandboxMemory:
                     st.prefetch_s = r.elapsed_s
                     st.prefetch_mib_s = r.mib_s
                     st.decode_s, st.copy_s = r.decode_s, r.copy_s
-                if self.cow:
-                    # Hot pages the template holds or that are zero: mapped, not copied (free).
-                    t1 = time.perf_counter()
-                    kinds = np.frombuffer(self.sources.kinds, dtype=np.uint8)[self.hot_idx]
-                    mapped = self.hot_idx[kinds == 0]
-                    zero = self.hot_idx[kinds == self.sources.index_of(self._zero_src)]
-                    st.mapped_pages = (map_from_file(self.handle.uffd, self.block, mapped)
-                                       + map_from_file(self.handle.uffd, self.block, zero, zero=True))
-                    self._prefetched_idx = np.union1d(self._prefetched_idx, np.union1d(mapped, zero))
-                    st.map_s = time.perf_counter() - t1
             self.compressed = False
             st.total_s = time.perf_counter() - t0
             self.restore_s_total += st.total_s

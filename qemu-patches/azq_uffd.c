@@ -62,8 +62,10 @@
 #endif
 
 #define AZQ_PROTO "AZQ1"
-/* Upper bounds on what one exchange carries; a request is one short line. */
-#define AZQ_REQ_MAX 512
+/* Upper bounds on what one exchange carries; a request is one line (DISCARD lists up to
+ * AZQ_DISCARD_MAX ranges on it, the others are short). */
+#define AZQ_REQ_MAX 16384
+#define AZQ_DISCARD_MAX 512
 #define AZQ_REPLY_MAX 65536
 /* SCM_MAX_FD is 253 in the kernel; one slot is the uffd. */
 #define AZQ_MAX_RAM_FDS 64
@@ -563,23 +565,43 @@ static void handle_range(int sock, int reg, const char *args)
     send_msg(sock, line, (size_t)len, NULL, 0);
 }
 
-/* DISCARD <hva-hex> <len>: madvise(MADV_DONTNEED) inside one private (copy-on-write)
- * RAM block: its copied pages are freed and the next access sees the file's page (or
- * faults to the uffd where the manager registered the range first). Refused anywhere
- * else: on a shared mapping the data lives in the file and a DONTNEED would be a no-op
- * that hides a manager bug. */
+/* DISCARD <hva-hex> <len> [<hva-hex> <len> ...]: madvise(MADV_DONTNEED) of each range,
+ * every one inside a private (copy-on-write) RAM block: its copied pages are freed and the
+ * next access sees the file's page (or faults to the uffd where the manager registered the
+ * range first). All ranges are checked before any is discarded; anything outside a private
+ * block is refused: on a shared mapping the data lives in the file and a DONTNEED would be a
+ * no-op that hides a manager bug. */
 static void handle_discard(int sock, const char *args)
 {
-    unsigned long long hva, len;
-    char extra;
-    if (sscanf(args, "%llx %llu %c", &hva, &len, &extra) != 2) {
-        send_error(sock, EINVAL, "expected '<hva-hex> <len>'");
-        return;
-    }
+    static struct { unsigned long long hva, len; } rg[AZQ_DISCARD_MAX];
+    int n = 0;
     long page = sysconf(_SC_PAGESIZE);
-    if (len == 0 || hva % (unsigned long long)page || len % (unsigned long long)page ||
-        hva + len < hva) {
-        send_error(sock, EINVAL, "range 0x%llx+%llu is not page aligned", hva, len);
+    const char *p = args;
+    for (;;) {
+        unsigned long long hva, len;
+        int used = 0;
+        while (*p == ' ')
+            p++;
+        if (*p == '\0')
+            break;
+        if (n == AZQ_DISCARD_MAX || sscanf(p, "%llx %llu%n", &hva, &len, &used) != 2 ||
+            (p[used] != ' ' && p[used] != '\0')) {
+            send_error(sock, EINVAL, n == AZQ_DISCARD_MAX ? "more than %d ranges"
+                                                          : "expected '<hva-hex> <len>' pairs (%d)",
+                       AZQ_DISCARD_MAX);
+            return;
+        }
+        if (len == 0 || hva % (unsigned long long)page || len % (unsigned long long)page ||
+            hva + len < hva) {
+            send_error(sock, EINVAL, "range 0x%llx+%llu is not page aligned", hva, len);
+            return;
+        }
+        rg[n].hva = hva;
+        rg[n++].len = len;
+        p += used;
+    }
+    if (n == 0) {
+        send_error(sock, EINVAL, "expected '<hva-hex> <len>' pairs (%d)", AZQ_DISCARD_MAX);
         return;
     }
     struct layout *l = calloc(1, sizeof(*l));
@@ -587,31 +609,41 @@ static void handle_discard(int sock, const char *args)
         send_error(sock, ENOMEM, "out of memory");
         return;
     }
-    int err = 0, inside = 0;
+    int err = 0;
     const char *what = NULL;
     if (scan_layout(l, &err, &what) < 0) {
         free(l);
         send_error(sock, err, "%s", what);
         return;
     }
-    for (int i = 0; i < l->nblocks; i++) {
-        struct block *b = &l->blocks[i];
-        if (b->private_map && hva >= b->hva && hva + len <= b->hva + b->size)
-            inside = 1;
+    int bad = -1;
+    for (int k = 0; k < n && bad < 0; k++) {
+        int inside = 0;
+        for (int i = 0; i < l->nblocks; i++) {
+            struct block *b = &l->blocks[i];
+            if (b->private_map && rg[k].hva >= b->hva && rg[k].hva + rg[k].len <= b->hva + b->size)
+                inside = 1;
+        }
+        if (!inside)
+            bad = k;
     }
     layout_release(l);
     free(l);
-    if (!inside) {
-        send_error(sock, EINVAL, "0x%llx+%llu is not inside a private RAM block", hva, len);
+    if (bad >= 0) {
+        send_error(sock, EINVAL, "0x%llx+%llu is not inside a private RAM block", rg[bad].hva, rg[bad].len);
         return;
     }
-    if (madvise((void *)(uintptr_t)hva, (size_t)len, MADV_DONTNEED) < 0) {
-        err = errno;
-        send_error(sock, err, "madvise(MADV_DONTNEED) 0x%llx+%llu: %s", hva, len, strerror(err));
-        return;
+    for (int k = 0; k < n; k++) {
+        if (madvise((void *)(uintptr_t)rg[k].hva, (size_t)rg[k].len, MADV_DONTNEED) < 0) {
+            err = errno;
+            send_error(sock, err, "madvise(MADV_DONTNEED) 0x%llx+%llu: %s", rg[k].hva, rg[k].len,
+                       strerror(err));
+            return;
+        }
     }
-    static const char ok[] = AZQ_PROTO " OK\nend\n";
-    send_msg(sock, ok, sizeof(ok) - 1, NULL, 0);
+    char ok[64];
+    int len = snprintf(ok, sizeof(ok), AZQ_PROTO " OK\nranges %d\nend\n", n);
+    send_msg(sock, ok, (size_t)len, NULL, 0);
 }
 
 static void serve_connection(int sock)

@@ -484,7 +484,7 @@ class Manager:
         st = mem.compress()
         return {"name": name, "resident_pages": st.resident_pages, "stored_pages": st.stored_pages,
                 "raw_pages": st.raw_pages, "pages": st.pages_by_kind, "bytes": st.bytes_by_kind,
-                "hot_pages": st.hot_pages, "scan_s": st.scan_s, "encode_s": st.encode_s,
+                "hot_pages": st.hot_pages, "mapped_pages": st.mapped_pages, "scan_s": st.scan_s, "encode_s": st.encode_s,
                 "punch_s": st.punch_s, "total_s": st.total_s, "cancelled": st.cancelled,
                 "stored_bytes": mem.stored_bytes(), "resident_bytes": mem.resident_bytes()}
 

@@ -14,6 +14,8 @@ Layout of a pagemap entry: Documentation/admin-guide/mm/pagemap.rst.
 from __future__ import annotations
 
 import ctypes
+import functools
+import mmap
 import os
 
 import numpy as np
@@ -24,6 +26,7 @@ from azqemu.memory.kinds import PAGE_SHIFT, PAGE_SIZE
 PM_PRESENT = 1 << 63
 PM_SWAP = 1 << 62
 PM_FILE_OR_SHARED_ANON = 1 << 61
+PM_PFN_MASK = (1 << 55) - 1
 # process_vm_readv takes at most IOV_MAX (1024) iovecs per side.
 IOV_BATCH = 1024
 
@@ -59,12 +62,42 @@ def read_pagemap(pid: int, hva: int, page_count: int) -> np.ndarray:
     return np.frombuffer(buf, dtype=np.uint64)
 
 
+@functools.cache
+def zero_pfn() -> int:
+    """The PFN of the kernel's shared zero page (0 if pagemap hides PFNs from us: then
+    zero-page mappings count as copies, which costs a needless read, never a wrong page).
+
+    Found by mapping one anonymous page, reading it (a read fault maps the zero page) and
+    looking it up in our own pagemap."""
+    m = mmap.mmap(-1, PAGE_SIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        buf = ctypes.c_char.from_buffer(m)
+        addr = ctypes.addressof(buf)
+        _ = buf.value  # the read fault
+        entry = int(read_pagemap(os.getpid(), addr, 1)[0])
+        del buf
+    finally:
+        m.close()
+    return entry & PM_PFN_MASK if entry & PM_PRESENT else 0
+
+
 def private_pages(pid: int, hva: int, page_count: int) -> np.ndarray:
-    """Indices (from ``hva``) of the pages that are anonymous copies, sorted."""
+    """Indices (from ``hva``) of the pages that are anonymous copies, sorted (pages mapped
+    to the shared zero page are not copies and are left out)."""
     pm = read_pagemap(pid, hva, page_count)
     held = (pm & np.uint64(PM_PRESENT | PM_SWAP)) != 0
     anon = (pm & np.uint64(PM_FILE_OR_SHARED_ANON)) == 0
+    zpfn = zero_pfn()
+    if zpfn:
+        present = (pm & np.uint64(PM_PRESENT)) != 0
+        anon &= ~(present & ((pm & np.uint64(PM_PFN_MASK)) == np.uint64(zpfn)))
     return np.flatnonzero(held & anon).astype(np.int64)
+
+
+def unmapped_pages(pid: int, hva: int, page_count: int) -> np.ndarray:
+    """Indices (from ``hva``) of the pages neither present nor swapped."""
+    pm = read_pagemap(pid, hva, page_count)
+    return np.flatnonzero((pm & np.uint64(PM_PRESENT | PM_SWAP)) == 0).astype(np.int64)
 
 
 def read_pages(pid: int, hva: int, page_idx: np.ndarray) -> np.ndarray:

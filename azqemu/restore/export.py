@@ -32,6 +32,8 @@ PROTO = "AZQ1"
 REPLY_MAX_BYTES = 65536
 MAX_FDS = 65
 MAX_BLOCKS = 256
+# Ranges per DISCARD request (AZQ_DISCARD_MAX; a request line is at most 16 KiB).
+DISCARD_MAX_RANGES = 512
 # How often connect() retries while QEMU is still starting (socket not there yet).
 CONNECT_RETRY_S = 0.05
 
@@ -352,10 +354,20 @@ class UffdExport:
         mode) for every page whose content is not the template's. If the uffd asked for
         EVENT_REMOVE, QEMU's madvise waits until a fault handler has read the REMOVE event:
         keep the handler running across this call."""
-        msg, got = self._request(f"{PROTO} DISCARD {hva:#x} {size_bytes}", [])
-        for fd in got:
-            os.close(fd)
-        parse_reply(msg, len(got), self.socket_path)
+        self.discard_ranges([(hva, size_bytes)])
+
+    def discard_ranges(self, ranges: list[tuple[int, int]]) -> int:
+        """DISCARD of many (hva, size_bytes) ranges, DISCARD_MAX_RANGES per request;
+        returns the number of requests made."""
+        requests = 0
+        for i in range(0, len(ranges), DISCARD_MAX_RANGES):
+            args = " ".join(f"{hva:#x} {size}" for hva, size in ranges[i:i + DISCARD_MAX_RANGES])
+            msg, got = self._request(f"{PROTO} DISCARD {args}", [])
+            for fd in got:
+                os.close(fd)
+            parse_reply(msg, len(got), self.socket_path)
+            requests += 1
+        return requests
 
     def close(self) -> None:
         self._sock.close()

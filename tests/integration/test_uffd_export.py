@@ -373,7 +373,7 @@ def test_unknown_request_and_stray_fds(guest: Guest) -> None:
         assert sock.recv(4096) == (f"AZQ1 ERR 22 EINVAL {guest.hva:#x}+{PS} is not inside a private "
                                    "RAM block\n").encode()
         sock.send(f"{PROTO} DISCARD 0x1000\n".encode())
-        assert sock.recv(4096) == b"AZQ1 ERR 22 EINVAL expected '<hva-hex> <len>'\n"
+        assert sock.recv(4096) == b"AZQ1 ERR 22 EINVAL expected '<hva-hex> <len>' pairs (512)\n"
         null = os.open("/dev/null", os.O_RDONLY)
         socket.send_fds(sock, [f"{PROTO} REGISTER all\n".encode()], [null])
         os.close(null)
