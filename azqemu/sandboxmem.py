@@ -246,9 +246,18 @@ class SandboxMemory:
             # vCPUs continue, so the store encodes them for decode speed (PageStore.encode's hot).
             faulted = self.handler.hot_pages(self._block_index).astype(np.int64)
             hot_idx = np.union1d(faulted, self._prefetched_idx)
+            if self.cow:
+                # The copies are pages the guest wrote (or that came back) since the last
+                # compression, faults or not: at the first compression, when nothing could
+                # fault yet, they are the whole working set the guest showed.
+                hot_idx = np.union1d(hot_idx, idx)
             t1 = time.perf_counter()
+            # Copy-on-write: the pages a resume copies back are only the stored ones, a few
+            # thousand; they decode in milliseconds with zstd, so the store keeps them small
+            # rather than fast (LZ4). Lazy clones bring back their whole working set.
+            hot = None if self.cow else np.isin(idx, hot_idx)
             res = self.store.encode(self.name, self.sharing_domain, idx, pages, self.template,
-                                    use_siblings=self.use_siblings, hot=np.isin(idx, hot_idx))
+                                    use_siblings=self.use_siblings, hot=hot)
             del pages
             st.encode_s = time.perf_counter() - t1
             st.pages_by_kind, st.bytes_by_kind = dict(res.pages), dict(res.bytes)

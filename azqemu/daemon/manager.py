@@ -598,10 +598,10 @@ class Manager:
         # The store's arenas as tmpfs holds them (dead bytes not yet punched or compacted
         # included): host memory. Those dead bytes are nobody's, so every sandbox's store
         # bytes carry their share of them (pro rata): owned figures hide nothing.
-        store_bytes, overhead = 0, 1.0
+        store_bytes, store_live, overhead = 0, 0, 1.0
         if self._store is not None:
             tb = self._store.total_bytes()
-            store_bytes = int(tb.arena_allocated_bytes)
+            store_bytes, store_live = int(tb.arena_allocated_bytes), int(tb.arena_live_bytes)
             dead = max(0, tb.arena_allocated_bytes - tb.arena_live_bytes)
             overhead = 1.0 + dead / tb.total_bytes if tb.total_bytes else 1.0
         rows = {}
@@ -610,7 +610,7 @@ class Manager:
                 rows[n] = self.owned(n, store_overhead=overhead)
             except AzqemuError as exc:
                 rows[n] = {"name": n, "error": str(exc)}
-        return {"sandboxes": rows, "store_bytes": store_bytes,
+        return {"sandboxes": rows, "store_bytes": store_bytes, "store_live_bytes": store_live,
                 "manager_rss_bytes": psutil.Process().memory_info().rss}
 
     def op_list(self) -> list[dict[str, Any]]:
