@@ -30,6 +30,7 @@ from azqemu.bench import hostmem
 from azqemu.bench.workload import Step, Workload
 from azqemu.daemon.client import Client
 from azqemu.errors import AzqemuError, ConfigError
+from azqemu.image import find_image
 from azqemu.sched import policy as policy_mod
 
 log = logging.getLogger(__name__)
@@ -274,10 +275,20 @@ def run_density(wl: Workload, sandboxes: int, policies: list[str], *, seed: int 
 
 
 def ensure_workload_template(c: Client, wl: Workload, progress: Callable[[str], None]) -> str:
-    """The template a workload asks for (made once and reused across runs and policies)."""
-    key = hashlib.sha256(repr((wl.template.mem_mib, wl.template.vcpus, wl.template.warmup)).encode()).hexdigest()[:8]
-    name = f"wl-{wl.name}-{key}"[:48]
-    if not any(t["name"] == name for t in c.call("template_list")):
+    """The template a workload asks for (made once and reused across runs and policies, for
+    as long as the guest image stays the same). Templates this function made for the same
+    workload on an earlier image are deleted when no sandbox uses them."""
+    image_key = find_image().key
+    key = hashlib.sha256(repr((wl.template.mem_mib, wl.template.vcpus, wl.template.warmup,
+                               image_key)).encode()).hexdigest()[:8]
+    prefix = f"wl-{wl.name}-"[:39]
+    name = f"{prefix}{key}"
+    templates = c.call("template_list")
+    for t in templates:
+        if t["name"].startswith(prefix) and t["name"] != name and t.get("clones", 0) == 0:
+            progress(f"deleting template {t['name']} (made for another guest image or workload)")
+            c.call("template_delete", name=t["name"])
+    if not any(t["name"] == name for t in templates):
         progress(f"creating template {name}")
         c.call("template_create", name=name, mem_mib=wl.template.mem_mib, vcpus=wl.template.vcpus,
                warmup=list(wl.template.warmup))
