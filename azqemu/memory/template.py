@@ -48,6 +48,14 @@ class TemplateImage:
             pages_z[:len(idx)] = np.asarray(pages, dtype=np.uint8).reshape(len(idx), PAGE_SIZE)[order]
             self.size_bytes = int(size_bytes if size_bytes is not None
                                   else ((int(idx[-1]) + 1) << PAGE_SHIFT if len(idx) else 0))
+        # An all-zero data page is a hole: the image's identity and rows depend on its
+        # content only. (A copy-on-write clone's read of a hole allocates a zero page in
+        # the template's tmpfs file; the image must not change identity because of it.)
+        data = pages_z[:len(idx)].view(np.uint64).any(axis=1)
+        if not data.all():
+            keep = np.flatnonzero(data)
+            idx = idx[keep]
+            pages_z = np.concatenate([pages_z[keep], np.zeros((1, PAGE_SIZE), dtype=np.uint8)])
         self.n_pages = (self.size_bytes + PAGE_SIZE - 1) >> PAGE_SHIFT
         self.page_idx = idx
         # One trailing zero row: holes gather from it, so a single np.take serves any mix of

@@ -392,3 +392,19 @@ def test_part_dead_arenas_are_compacted_current_included(store_dir, small_set, s
             stored = s.stored_pages(name)
             np.testing.assert_array_equal(s.decode(name, stored), _expect(small_set, k, stored))
         s.check_consistency()
+
+
+def test_template_identity_ignores_zero_pages_filling_holes() -> None:
+    """A copy-on-write clone's read of a hole allocates a zero page in the template's tmpfs
+    file: the image stays the same template (same id, the page still a hole)."""
+    from azqemu.memory.template import TemplateImage
+
+    from .conftest import text_page
+
+    pages = [text_page(1), text_page(2)]
+    sparse = TemplateImage(page_idx=np.array([0, 5]), pages=np.stack(pages), size_bytes=8 * PAGE_SIZE)
+    filled = TemplateImage(page_idx=np.array([0, 3, 5]),
+                           pages=np.stack([pages[0], np.zeros(PAGE_SIZE, np.uint8), pages[1]]),
+                           size_bytes=8 * PAGE_SIZE)
+    assert filled.template_id == sparse.template_id
+    assert filled.rows(np.array([0, 3, 5])).tolist() == [0, -1, 1]
