@@ -98,39 +98,37 @@ def wake(uffd: int, start: int, length: int) -> None:
     _ioctl(uffd, abi.UFFDIO_WAKE, abi.uffdio_range(start, length), "UFFDIO_WAKE", start, length)
 
 
-def copy(uffd: int, dst: int, src: int, length: int, *, wake: bool = True) -> int:
-    """UFFDIO_COPY (slow path, one call): returns bytes copied.
+def _filling_ioctl(uffd: int, request: int, arg: ctypes.Structure, result: str, op: str,
+                   start: int, length: int) -> int:
+    """One of the ioctls that fill a range (COPY, CONTINUE, ZEROPAGE). The kernel writes
+    the ``result`` field before failing: bytes done, or -errno if none. A call that stops
+    early returns the bytes done; one that does nothing raises with the kernel's errno."""
+    try:
+        fcntl.ioctl(uffd, request, arg, True)
+    except OSError as err:
+        done = int(getattr(arg, result))
+        if done > 0:
+            return done
+        raise UffdIoctlError(op, err.errno or 0, start, length) from err
+    return length
 
-    A copy that stops early (a page already present) returns the count copied; a copy
-    that copies nothing raises with the kernel's errno (EEXIST: the first page is there).
-    """
+
+def copy(uffd: int, dst: int, src: int, length: int, *, wake: bool = True) -> int:
+    """UFFDIO_COPY (slow path, one call): returns bytes copied (EEXIST: the first page is
+    there already)."""
     arg = abi.uffdio_copy(dst=dst, src=src, len=length,
                           mode=0 if wake else abi.UFFDIO_COPY_MODE_DONTWAKE, copy=0)
-    try:
-        fcntl.ioctl(uffd, abi.UFFDIO_COPY, arg, True)
-    except OSError as err:
-        # The kernel writes ``copy`` before failing: bytes done, or -errno if none.
-        if arg.copy > 0:
-            return int(arg.copy)
-        raise UffdIoctlError("UFFDIO_COPY", err.errno or 0, dst, length) from err
-    return length
+    return _filling_ioctl(uffd, abi.UFFDIO_COPY, arg, "copy", "UFFDIO_COPY", dst, length)
 
 
 def continue_range(uffd: int, start: int, length: int, *, wake: bool = True) -> int:
     """UFFDIO_CONTINUE: map the page-cache pages behind [start, start+length) of a range
     registered in MINOR mode (no copy; in a private mapping they map read-only and a
-    write copies them). Returns bytes mapped; a call that maps nothing raises with the
-    kernel's errno (EEXIST: the first page is mapped already; EFAULT: no page in the
-    cache there, a hole of the file)."""
+    write copies them). Returns bytes mapped (EEXIST: the first page is mapped already;
+    EFAULT: no page in the cache there, a hole of the file)."""
     arg = abi.uffdio_continue(range=abi.uffdio_range(start, length),
                               mode=0 if wake else abi.UFFDIO_CONTINUE_MODE_DONTWAKE, mapped=0)
-    try:
-        fcntl.ioctl(uffd, abi.UFFDIO_CONTINUE, arg, True)
-    except OSError as err:
-        if arg.mapped > 0:
-            return int(arg.mapped)
-        raise UffdIoctlError("UFFDIO_CONTINUE", err.errno or 0, start, length) from err
-    return length
+    return _filling_ioctl(uffd, abi.UFFDIO_CONTINUE, arg, "mapped", "UFFDIO_CONTINUE", start, length)
 
 
 def zeropage(uffd: int, start: int, length: int, *, wake: bool = True) -> int:
@@ -138,13 +136,7 @@ def zeropage(uffd: int, start: int, length: int, *, wake: bool = True) -> int:
     later allocates). Returns bytes mapped, or raises as :func:`continue_range`."""
     arg = abi.uffdio_zeropage(range=abi.uffdio_range(start, length),
                               mode=0 if wake else abi.UFFDIO_ZEROPAGE_MODE_DONTWAKE, zeropage=0)
-    try:
-        fcntl.ioctl(uffd, abi.UFFDIO_ZEROPAGE, arg, True)
-    except OSError as err:
-        if arg.zeropage > 0:
-            return int(arg.zeropage)
-        raise UffdIoctlError("UFFDIO_ZEROPAGE", err.errno or 0, start, length) from err
-    return length
+    return _filling_ioctl(uffd, abi.UFFDIO_ZEROPAGE, arg, "zeropage", "UFFDIO_ZEROPAGE", start, length)
 
 
 def punch_hole(fd: int, offset: int, length: int) -> None:

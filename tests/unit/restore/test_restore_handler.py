@@ -35,19 +35,27 @@ libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 MADV_DONTNEED = 4
 
 
-def make_uffd() -> int:
+def make_uffd(features: int = abi.UFFD_FEATURE_MISSING_SHMEM | abi.UFFD_FEATURE_EVENT_REMOVE,
+              *, need_dev: bool = False) -> int:
+    """A uffd of this process; without root (``need_dev`` False) a user-mode-only one."""
     try:
         dev = uffd.open_dev()
         try:
             fd = uffd.new_from_dev(dev)
         finally:
             os.close(dev)
-    except (PermissionError, UffdIoctlError):
+    except (PermissionError, UffdIoctlError) as err:
+        if need_dev:
+            pytest.skip(f"needs /dev/userfaultfd (root): {err}")
         try:
             fd = uffd.new_syscall(user_mode_only=True)
-        except UffdIoctlError as err:
-            pytest.skip(f"no userfaultfd here: {err}")
-    uffd.api(fd, abi.UFFD_FEATURE_MISSING_SHMEM | abi.UFFD_FEATURE_EVENT_REMOVE)
+        except UffdIoctlError as err2:
+            pytest.skip(f"no userfaultfd here: {err2}")
+    try:
+        uffd.api(fd, features)
+    except UffdIoctlError as err:
+        os.close(fd)
+        pytest.skip(f"kernel lacks a feature of {features:#x}: {err}")
     return fd
 
 
@@ -393,7 +401,7 @@ class CowRam:
         self._pin = ctypes.c_char.from_buffer(self.map)
         self.addr = ctypes.addressof(self._pin)
         self.block = RamBlock(self.addr, self.size, 0, PS, self.path, -1, private=True)
-        fd = make_uffd_features(abi.UFFD_FEATURE_MISSING_SHMEM | abi.UFFD_FEATURE_MINOR_SHMEM)
+        fd = make_uffd(abi.UFFD_FEATURE_MISSING_SHMEM | abi.UFFD_FEATURE_MINOR_SHMEM, need_dev=True)
         self.handle = UffdHandle(uffd=fd, ram_fds=[], blocks=[self.block],
                                  features=abi.UFFD_FEATURE_MISSING_SHMEM | abi.UFFD_FEATURE_MINOR_SHMEM)
         self.store = Store()
@@ -411,23 +419,6 @@ class CowRam:
         self.map.close()
         os.close(self.fd)
         os.unlink(self.path)
-
-
-def make_uffd_features(features: int) -> int:
-    try:
-        dev = uffd.open_dev()
-        try:
-            fd = uffd.new_from_dev(dev)
-        finally:
-            os.close(dev)
-    except (PermissionError, UffdIoctlError):
-        pytest.skip("needs /dev/userfaultfd (root)")
-    try:
-        uffd.api(fd, features)
-    except UffdIoctlError as err:
-        os.close(fd)
-        pytest.skip(f"kernel lacks MINOR_SHMEM: {err}")
-    return fd
 
 
 def test_copy_on_write_pages_come_back_by_copy_continue_and_zeropage() -> None:
