@@ -17,8 +17,8 @@ truth).
 Copy-on-write clones (a MAP_PRIVATE mapping of the template's RAM image, ``RamBlock.private``)
 keep everything the guest only read in the template's page cache, shared. Compress reads
 the pages the guest wrote (anonymous copies, told apart through /proc/PID/pagemap), encodes
-them, registers the range in MISSING+MINOR mode and has QEMU drop every page of it
-(MADV_DONTNEED, the export's DISCARD) of the copies. Every page not in the store is then
+them, registers the range in MISSING+MINOR mode and has QEMU drop the copies
+(MADV_DONTNEED, the export's DISCARD). Every page not in the store is then
 mapped again at once, from the template's page cache (UFFDIO_CONTINUE) or to the zero page
 (written pages that came out equal to the template's or zero, and at the first compression
 everything the guest had not touched yet): no copy, no memory of the sandbox's own, and
@@ -243,7 +243,8 @@ class SandboxMemory:
             # on a host whose cores the guests keep busy. For a copy-on-write clone most of
             # the set is template and zero pages, which cost nothing mapped.
             # It is known before encoding: the next resume puts these pages back before the
-            # vCPUs continue, so the store encodes them for decode speed (PageStore.encode's hot).
+            # vCPUs continue, so for a lazy clone the store encodes them for decode speed
+            # (PageStore.encode's hot).
             faulted = self.handler.hot_pages(self._block_index).astype(np.int64)
             hot_idx = np.union1d(faulted, self._prefetched_idx)
             if self.cow:
