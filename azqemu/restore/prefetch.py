@@ -22,7 +22,6 @@ import ctypes
 import errno
 import fcntl
 import mmap
-import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from azqemu.memory.blobdecode import thread_nice
+from azqemu.memory.blobdecode import run_at_nice, thread_nice
 from azqemu.restore import uffd as uffd_ops
 from azqemu.restore import uffd_abi as abi
 from azqemu.restore.errors import PageUnavailable, UffdIoctlError
@@ -94,14 +93,9 @@ def _decode_pool() -> ThreadPoolExecutor:
         return _POOL
 
 
-def _timed_fill(nice: int, source: PageSource, offsets: np.ndarray, out: memoryview, ps: int) -> tuple[bool, float]:
-    """fill_pages in a helper thread, at the priority of the thread that prefetches (a helper
-    created by a niced thread keeps that nice otherwise; raising it needs CAP_SYS_NICE)."""
-    if thread_nice() != nice:
-        try:
-            os.setpriority(os.PRIO_PROCESS, 0, nice)
-        except OSError:
-            pass
+def _timed_fill(source: PageSource, offsets: np.ndarray, out: memoryview, ps: int) -> tuple[bool, float]:
+    """fill_pages and the time it took (in a helper: under blobdecode.run_at_nice, at the
+    priority of the thread that prefetches)."""
     t0 = time.perf_counter()
     ok = fill_pages(source, offsets, out, ps)
     return ok, time.perf_counter() - t0
@@ -198,7 +192,7 @@ class Prefetcher:
             n = len(chunk)
             offsets, out, base = views(k)
             if pending is None:
-                ok, spent = _timed_fill(nice, source, offsets, out, ps)
+                ok, spent = _timed_fill(source, offsets, out, ps)
             else:
                 ok, spent = pending.result()      # re-raises the helper's error
                 pending = None
@@ -207,7 +201,7 @@ class Prefetcher:
                 raise PageUnavailable(int(offsets[0]), "source asked to retry during prefetch")
             if k + 1 < len(chunks):
                 n_off, n_out, _ = views(k + 1)
-                pending = _decode_pool().submit(_timed_fill, nice, source, n_off, n_out, ps)
+                pending = _decode_pool().submit(run_at_nice, nice, _timed_fill, source, n_off, n_out, ps)
             t1 = time.perf_counter()
             try:
                 # One UFFDIO_COPY per run of consecutive pages (slots are consecutive too).
