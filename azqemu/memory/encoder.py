@@ -448,49 +448,41 @@ class Encoder:
                         best, limit = pay, len(pay)
                         rt = _R_TEMPLATE if s_kind_l[i] == 1 else _R_BLOB
                         b_kind, b_method, b_reftype, b_ref = _K_SDELTA, _M_LZ4_XOR, rt, s_ref_l[i]
-                prow = prow_l[i]
-                if len(best) > raw_limit:
-                    kind[prow] = _K_RAW
-                    continue
-                kind[prow] = b_kind
-                new_rows.append(i)
-                meta.append((b_method, b_reftype, b_ref))
-                payloads.append(best)
-                continue
-            # XOR first when it is promising: a tiny XOR delta makes every other attempt moot.
-            best = b""
-            if do_xor_t_l[i] and xor_ok:
-                best = z.compress_addr(base_x + off) if fast else z.compress(xpages[i])
-                tries["xor"] += 1
-                b_kind, b_method, b_reftype, b_ref = _K_TDELTA, _M_XOR, _R_TEMPLATE, pidx_l[i]
-                limit = len(best)
-            if not best or len(best) > TINY_DELTA_BYTES:
-                pay = z.compress_addr(base_up + off) if fast else z.compress(up[i])
-                tries["zstd"] += 1
-                if not best or len(pay) - DELTA_MIN_GAIN_BYTES <= len(best):
-                    best = pay
-                    b_kind, b_method, b_reftype, b_ref = _K_ZSTD, _M_ZSTD, _R_NONE, 0
-                    limit = len(best) - DELTA_MIN_GAIN_BYTES
-            if try_prefix_t_l[i] and prefix_ok and limit > SMALL_ENOUGH_BYTES:
-                pay = z.compress_addr(base_up + off, base_t + off) if fast else z.compress(up[i], tpages[i])
-                tries["prefix"] += 1
-                if len(pay) < limit:
-                    best, limit = pay, len(pay)
-                    b_kind, b_method, b_reftype, b_ref = _K_TDELTA, _M_PREFIX, _R_TEMPLATE, pidx_l[i]
-            if has_s_l[i] and limit > SMALL_ENOUGH_BYTES:
-                rt = _R_TEMPLATE if s_kind_l[i] == 1 else _R_BLOB
-                extra = s_cost_l[i]
-                tries["sdelta"] += 1
-                if do_xor_s_l[i] and c_x + extra <= budget:
-                    pay = z.compress_addr(base_sx + off) if fast else z.compress(spx[i])
+            else:
+                # XOR first when it is promising: a tiny XOR delta makes every other attempt moot.
+                best = b""
+                if do_xor_t_l[i] and xor_ok:
+                    best = z.compress_addr(base_x + off) if fast else z.compress(xpages[i])
+                    tries["xor"] += 1
+                    b_kind, b_method, b_reftype, b_ref = _K_TDELTA, _M_XOR, _R_TEMPLATE, pidx_l[i]
+                    limit = len(best)
+                if not best or len(best) > TINY_DELTA_BYTES:
+                    pay = z.compress_addr(base_up + off) if fast else z.compress(up[i])
+                    tries["zstd"] += 1
+                    if not best or len(pay) - DELTA_MIN_GAIN_BYTES <= len(best):
+                        best = pay
+                        b_kind, b_method, b_reftype, b_ref = _K_ZSTD, _M_ZSTD, _R_NONE, 0
+                        limit = len(best) - DELTA_MIN_GAIN_BYTES
+                if try_prefix_t_l[i] and prefix_ok and limit > SMALL_ENOUGH_BYTES:
+                    pay = z.compress_addr(base_up + off, base_t + off) if fast else z.compress(up[i], tpages[i])
+                    tries["prefix"] += 1
                     if len(pay) < limit:
                         best, limit = pay, len(pay)
-                        b_kind, b_method, b_reftype, b_ref = _K_SDELTA, _M_XOR, rt, s_ref_l[i]
-                if c_p + extra <= budget and limit > SMALL_ENOUGH_BYTES:
-                    pay = z.compress_addr(base_up + off, base_s + off) if fast else z.compress(up[i], sref[i])
-                    if len(pay) < limit:
-                        best, limit = pay, len(pay)
-                        b_kind, b_method, b_reftype, b_ref = _K_SDELTA, _M_PREFIX, rt, s_ref_l[i]
+                        b_kind, b_method, b_reftype, b_ref = _K_TDELTA, _M_PREFIX, _R_TEMPLATE, pidx_l[i]
+                if has_s_l[i] and limit > SMALL_ENOUGH_BYTES:
+                    rt = _R_TEMPLATE if s_kind_l[i] == 1 else _R_BLOB
+                    extra = s_cost_l[i]
+                    tries["sdelta"] += 1
+                    if do_xor_s_l[i] and c_x + extra <= budget:
+                        pay = z.compress_addr(base_sx + off) if fast else z.compress(spx[i])
+                        if len(pay) < limit:
+                            best, limit = pay, len(pay)
+                            b_kind, b_method, b_reftype, b_ref = _K_SDELTA, _M_XOR, rt, s_ref_l[i]
+                    if c_p + extra <= budget and limit > SMALL_ENOUGH_BYTES:
+                        pay = z.compress_addr(base_up + off, base_s + off) if fast else z.compress(up[i], sref[i])
+                        if len(pay) < limit:
+                            best, limit = pay, len(pay)
+                            b_kind, b_method, b_reftype, b_ref = _K_SDELTA, _M_PREFIX, rt, s_ref_l[i]
             prow = prow_l[i]
             if len(best) > raw_limit:
                 kind[prow] = _K_RAW
