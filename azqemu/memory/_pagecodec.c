@@ -242,12 +242,6 @@ long azq_decode_batch(ZSTD_DCtx *dctx, int k, const uint8_t *src, const uint32_t
             if (!lz4_decompress || src_len[i] > (uint32_t)BOUND
                 || lz4_decompress((const char *)(src + src_off[i]), (char *)dst, (int)src_len[i], PAGE) != PAGE)
                 return i;
-            if (m == M_LZ4_XOR) {
-                uint64_t *d = (uint64_t *)dst;
-                const uint64_t *rr = (const uint64_t *)r;
-                for (int j = 0; j < PAGE / 8; j++)
-                    d[j] ^= rr[j];
-            }
         } else {
             if (m == M_PREFIX)
                 ZSTD_DCtx_refPrefix(dctx, r, PAGE);
@@ -256,12 +250,12 @@ long azq_decode_batch(ZSTD_DCtx *dctx, int k, const uint8_t *src, const uint32_t
                 ZSTD_DCtx_reset(dctx, ZSTD_RESET_SESSION_ONLY);
                 return i;
             }
-            if (m == M_XOR) {
-                uint64_t *d = (uint64_t *)dst;
-                const uint64_t *rr = (const uint64_t *)r;
-                for (int j = 0; j < PAGE / 8; j++)
-                    d[j] ^= rr[j];
-            }
+        }
+        if (m == M_XOR || m == M_LZ4_XOR) { /* the payload was the XOR with the reference */
+            uint64_t *d = (uint64_t *)dst;
+            const uint64_t *rr = (const uint64_t *)r;
+            for (int j = 0; j < PAGE / 8; j++)
+                d[j] ^= rr[j];
         }
         if (check && page_check(dst) != check[i])
             return -(long)i - 2;
