@@ -113,7 +113,6 @@ class SandboxMemory:
         self.sharing_domain = f"{sharing_domain}@{template.template_id[:16]}"
         self.store = store
         self.template = template
-        self.lazy_clone = lazy_clone
         self.use_siblings = use_siblings
         self._lock = threading.Lock()
         self._cancel = threading.Event()

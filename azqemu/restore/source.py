@@ -224,9 +224,9 @@ class CompositeSource:
         return comp
 
     def _index(self, source: PageSource) -> int:
-        for i, known in enumerate(self._sources):
-            if known is source:
-                return i
+        i = self.index_of(source)
+        if i >= 0:
+            return i
         if len(self._sources) == 255:
             raise ValueError("CompositeSource holds at most 255 sources")
         self._sources.append(source)
@@ -273,10 +273,10 @@ class CompositeSource:
 
     def pages_of(self, source: PageSource) -> np.ndarray:
         """Indices of the pages ``source`` serves."""
-        for i, known in enumerate(self._sources):
-            if known is source:
-                return np.flatnonzero(np.frombuffer(self._kind, dtype=np.uint8) == i)
-        return np.empty(0, dtype=np.int64)
+        i = self.index_of(source)
+        if i < 0:
+            return np.empty(0, dtype=np.int64)
+        return np.flatnonzero(np.frombuffer(self._kind, dtype=np.uint8) == i)
 
     def fill(self, offset: int, out: memoryview) -> bool:
         idx = (offset - self.base_offset) >> self._shift
