@@ -48,17 +48,17 @@ host: image
 	$(AZQ) doctor
 
 unit: venv lib
-	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=15 tests/unit $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check azqemu tests
 	$(VENV)/bin/mypy azqemu
 
 integration: host lib
-	$(PY) -m pytest -q tests/integration $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=15 tests/integration $(PYTEST_ARGS)
 
 test: host lib lint
-	$(PY) -m pytest -q tests/unit tests/integration $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=15 tests/unit tests/integration $(PYTEST_ARGS)
 
 demo: host lib
 	$(AZQ) demo

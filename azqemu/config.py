@@ -10,7 +10,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-PAGE_SIZE = 4096
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 

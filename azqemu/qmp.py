@@ -90,7 +90,3 @@ class Monitor:
                 raise QMPError(f"migration not completed within {timeout_s:g} s (status {status})")
             time.sleep(poll_s)
             poll_s = min(poll_s * 1.5, 0.05)
-
-    def ram_blocks(self) -> list[dict[str, Any]]:
-        """The memory backends (id, size, share) as QEMU sees them."""
-        return list(self.execute("query-memdev"))

@@ -30,6 +30,7 @@ from azqemu.bench import hostmem
 from azqemu.bench.workload import Step, Workload
 from azqemu.daemon.client import Client
 from azqemu.errors import AzqemuError, ConfigError
+from azqemu.host import memacct, procfs
 from azqemu.image import find_image
 from azqemu.sched import policy as policy_mod
 
@@ -88,8 +89,8 @@ class _Sampler:
 
     def sample(self) -> None:
         r = self.c.call("owned", names=self.names)
-        host = hostmem.read_meminfo()
-        zram = hostmem.read_zram_total()
+        host = procfs.read_meminfo()
+        zram = memacct.read_zram_total()
         rows = r["sandboxes"]
         self.t_s.append(time.monotonic() - self._t0)
         self.owned.append(float(sum(rows[n].get("owned_bytes", 0) for n in self.names)))
@@ -162,7 +163,7 @@ def run_policy(c: Client, template: str, wl: Workload, plan: list[list[Step]], p
     with ExitStack() as stack:
         baseline = hostmem.idle_baseline(duration_s=2.0)
         if pol.linux_reclaim:
-            from azqemu.bench.linux_config import LinuxConfig, signals_raise, wait_ksm_converged
+            from azqemu.host.linuxmm import LinuxConfig, signals_raise, wait_ksm_converged
 
             stack.enter_context(signals_raise())
             lc = stack.enter_context(LinuxConfig())

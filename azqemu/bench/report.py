@@ -29,13 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from azqemu.errors import ConfigError
+from azqemu.units import MIB, fmt_mib
 
-BASELINES = ("none", "none-cow")
 # Known policies first, in this order; others follow alphabetically.
 POLICY_ORDER = ("none", "none-cow", "linux", "azqemu-eager", "azqemu", "azqemu-lazy", "azqemu-prefetch")
 REQUIRED_POLICY_KEYS = ("owned_bytes_avg", "owned_bytes_peak", "host_used_bytes_avg", "tool_latency_s",
                         "compress_s_total", "restore_s_total")
-MIB = 1 << 20
 
 # Nightly comparison: what is checked, which way is worse, and the smallest absolute change
 # that counts (so that noise on tiny values never flags: 1 MiB of memory, 50 ms of latency).
@@ -111,8 +110,8 @@ def with_ratios(result: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _mib(x: float | None) -> str:
-    return "—" if x is None else f"{x / MIB:,.1f}"
+def _mib_cell(x: float | None) -> str:
+    return "—" if x is None else fmt_mib(x, thousands=True, unit=False)
 
 
 def _x(x: float | None) -> str:
@@ -133,8 +132,9 @@ def table_rows(result: dict[str, Any]) -> list[list[str]]:
     for name in ordered_policies(result):
         pol = result["policies"][name]
         rows.append([
-            name, _mib(_get(pol, "owned_bytes_avg")), _mib(_get(pol, "owned_bytes_peak")),
-            _mib(_get(pol, "host_used_bytes_avg")), _x(r[name]["ratio_vs_none"]), _x(r[name]["ratio_vs_none_cow"]),
+            name, _mib_cell(_get(pol, "owned_bytes_avg")), _mib_cell(_get(pol, "owned_bytes_peak")),
+            _mib_cell(_get(pol, "host_used_bytes_avg")),
+            _x(r[name]["ratio_vs_none"]), _x(r[name]["ratio_vs_none_cow"]),
             _s(_get(pol, "tool_latency_s.median")), _s(_get(pol, "tool_latency_s.p95")),
             _x(r[name]["slowdown_vs_none_cow"]), _s(_get(pol, "compress_s_total")), _s(_get(pol, "restore_s_total")),
         ])
@@ -155,11 +155,12 @@ def markdown_table(result: dict[str, Any]) -> str:
              "the run (tool phases and waits); ratios are baseline owned / policy owned; slowdown is "
              "the median tool-call latency over none-cow's."]
     if "template_bytes" in result:
-        notes.append(f"Template RAM image, counted once: {_mib(float(result['template_bytes']))} MiB.")
+        notes.append(f"Template RAM image, counted once: {_mib_cell(float(result['template_bytes']))} MiB.")
     own = {n: _get(p, "qemu_own_bytes_avg") for n, p in result["policies"].items()}
     if any(v is not None for v in own.values()):
         vals = [v for v in own.values() if v is not None]
-        notes.append(f"QEMU's own memory per sandbox (not in owned): {_mib(min(vals))}-{_mib(max(vals))} MiB.")
+        notes.append("QEMU's own memory per sandbox (not in owned): "
+                     f"{_mib_cell(min(vals))}-{_mib_cell(max(vals))} MiB.")
     return "\n".join(lines + [""] + notes) + "\n"
 
 
@@ -182,7 +183,7 @@ def rich_table(result: dict[str, Any]) -> Any:
 
         def mib(key: str, pol: dict[str, Any] = pol) -> str:
             v = _get(pol, key)
-            return "—" if v is None else f"{v / MIB:,.0f}"
+            return "—" if v is None else fmt_mib(v, 0, thousands=True, unit=False)
 
         def x(v: float | None) -> str:
             return "—" if v is None else f"{v:.1f}×"

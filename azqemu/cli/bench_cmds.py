@@ -9,7 +9,7 @@ import click
 import numpy as np
 
 from azqemu.daemon.client import Client
-from azqemu.daemonproc import ensure_daemon
+from azqemu.daemon.proc import ensure_daemon
 
 BENCH_TEMPLATE = "azq-bench"
 

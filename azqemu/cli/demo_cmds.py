@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from azqemu.cli.bench_cmds import _progress
-from azqemu.daemonproc import ensure_daemon
+from azqemu.daemon.proc import ensure_daemon
 
 DEMO_POLICIES = ("none", "none-cow", "linux", "agentzip")
 

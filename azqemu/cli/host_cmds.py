@@ -13,7 +13,7 @@ import click
 @click.option("--json", "as_json", is_flag=True, help="Print the checks as JSON.")
 def doctor(as_json: bool) -> None:
     """Report what this host can do (KVM, libvirtd, userfaultfd, zram, zswap, KSM)."""
-    from azqemu.doctor import FAIL, run_checks
+    from azqemu.host.doctor import FAIL, run_checks
 
     checks = run_checks()
     if as_json:
@@ -36,8 +36,8 @@ def host() -> None:
 @click.option("--restart", is_flag=True, help="Restart libvirtd even if it runs.")
 def setup(restart: bool) -> None:
     """Configure libvirt and start virtlogd/libvirtd (with /dev/kvm hidden where KVM is unusable)."""
-    from azqemu.doctor import _guest_kernel
-    from azqemu.hostsetup import setup_host
+    from azqemu.host.doctor import _guest_kernel
+    from azqemu.host.setup import setup_host
 
     done = setup_host(restart=restart, kernel=_guest_kernel())
     click.echo("; ".join(done) if done else "host already set up")

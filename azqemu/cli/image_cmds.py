@@ -12,10 +12,7 @@ import time
 import click
 
 from azqemu.errors import ImageError
-
-
-def _mib(size_bytes: int) -> str:
-    return f"{size_bytes / (1 << 20):.1f} MiB"
+from azqemu.units import fmt_mib
 
 
 @click.group()
@@ -40,7 +37,7 @@ def build(force: bool) -> None:
             return
     img = guest_image.build_image(force=force, progress=click.echo)
     manifest = guest_image.read_manifest(img)
-    sizes = ", ".join(f"{role} {_mib(info['size_bytes'])}" for role, info in manifest["files"].items())
+    sizes = ", ".join(f"{role} {fmt_mib(info['size_bytes'])}" for role, info in manifest["files"].items())
     click.echo(f"built image {img.key} in {time.monotonic() - started:.1f} s: {sizes}")
     click.echo(f"  {img.kernel.parent}")
 
@@ -68,10 +65,10 @@ def info(as_json: bool, verify: bool) -> None:
                                           f"{manifest['kernel_package_version']}, "
                                           f"{manifest.get('kernel_boot', 'bzimage')} boot)"),
             ("initrd", str(img.initrd)), ("rootfs", str(img.rootfs)), ("cmdline", img.cmdline)]
-    rows += [(f"{role} size", _mib(f["size_bytes"]) + (f" ({_mib(f['allocated_bytes'])} allocated)"
+    rows += [(f"{role} size", fmt_mib(f["size_bytes"]) + (f" ({fmt_mib(f['allocated_bytes'])} allocated)"
                                                        if role == "rootfs" else ""))
              for role, f in manifest["files"].items()]
-    rows += [("total", _mib(img.size_bytes)), ("built", f"{manifest['built_at']} in {manifest['build_s']} s"),
+    rows += [("total", fmt_mib(img.size_bytes)), ("built", f"{manifest['built_at']} in {manifest['build_s']} s"),
              ("packages", str(manifest.get("package_count", "?")))]
     for name, value in rows:
         click.echo(f"{name + ':':15}{value}")

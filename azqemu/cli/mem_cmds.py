@@ -6,6 +6,8 @@ import json
 
 import click
 
+from azqemu.units import fmt_bytes
+
 
 @click.group()
 def mem() -> None:
@@ -16,7 +18,7 @@ def _template_path(name_or_path: str) -> str:
     """A template RAM image path, or an azqemu template's by name."""
     import os
 
-    from azqemu.templates import TemplateRepo
+    from azqemu.virt.templates import TemplateRepo
 
     if os.path.exists(name_or_path):
         return name_or_path
@@ -31,7 +33,7 @@ def _resolve_sandbox(name: str) -> str:
 
     from azqemu.daemon.client import Client
     from azqemu.errors import ConfigError
-    from azqemu.virt.ramfile import find_ram_fd
+    from azqemu.host.procfs import find_ram_fd
 
     if os.path.exists(name):
         return name
@@ -41,20 +43,13 @@ def _resolve_sandbox(name: str) -> str:
     return str(find_ram_fd(int(info["qemu_pid"])))
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
 @mem.command("analyze")
 @click.option("--template", "template", required=True,
               help="Template RAM image (a sparse file), or the name of an azqemu template.")
 @click.argument("sandboxes", nargs=-1, required=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON figures instead of a table.")
-@click.option("--domain", default="analyze", show_default=True, help="Sharing domain of the sandboxes.")
+@click.option("--sharing-domain", "--domain", "domain", default="analyze", show_default=True,
+              help="Sharing domain of the sandboxes (--domain: deprecated alias).")
 @click.option("--store-dir", type=click.Path(file_okay=False), default=None,
               help="Keep the page store here (default: a scratch dir on /dev/shm, removed after).")
 @click.option("--level", "zstd_level", type=click.IntRange(1, 3), default=1, show_default=True,
@@ -79,7 +74,7 @@ def analyze_cmd(template: str, sandboxes: tuple[str, ...], as_json: bool, domain
     from rich.table import Table
 
     az, lm, tp = result["azqemu"], result["linux_model"], result["throughput"]
-    table = Table(title=f"{len(sandboxes)} sandbox(es), template {_fmt_bytes(result['template']['bytes'])} "
+    table = Table(title=f"{len(sandboxes)} sandbox(es), template {fmt_bytes(result['template']['bytes'])} "
                         "(counted separately)")
     table.add_column("kind")
     table.add_column("pages", justify="right")
@@ -87,7 +82,7 @@ def analyze_cmd(template: str, sandboxes: tuple[str, ...], as_json: bool, domain
     table.add_column("stored bytes", justify="right")
     total_pages = max(1, sum(az["pages"].values()))
     for kind, n in az["pages"].items():
-        table.add_row(kind, str(n), f"{100 * n / total_pages:.1f}%", _fmt_bytes(az["bytes"][kind]))
+        table.add_row(kind, str(n), f"{100 * n / total_pages:.1f}%", fmt_bytes(az["bytes"][kind]))
     console = Console()
     console.print(table)
     summary = Table(show_header=True)
@@ -95,9 +90,9 @@ def analyze_cmd(template: str, sandboxes: tuple[str, ...], as_json: bool, domain
     summary.add_column("before", justify="right")
     summary.add_column("after", justify="right")
     summary.add_column("ratio", justify="right")
-    summary.add_row("azqemu", _fmt_bytes(az["bytes_before"]), _fmt_bytes(az["bytes_after"]), f"{az['ratio']:.2f}x")
-    summary.add_row(f"Linux model (KSM + zram {lm['compressor']})", _fmt_bytes(lm["bytes_before"]),
-                    _fmt_bytes(lm["bytes_after"]), f"{lm['ratio']:.2f}x")
+    summary.add_row("azqemu", fmt_bytes(az["bytes_before"]), fmt_bytes(az["bytes_after"]), f"{az['ratio']:.2f}x")
+    summary.add_row(f"Linux model (KSM + zram {lm['compressor']})", fmt_bytes(lm["bytes_before"]),
+                    fmt_bytes(lm["bytes_after"]), f"{lm['ratio']:.2f}x")
     console.print(summary)
     console.print(f"azqemu / Linux: {result['azqemu_vs_linux']:.2f}x   encode {tp['encode_mib_s']:.0f} MiB/s   "
                   f"decode {tp['decode_mib_s']:.0f} MiB/s   (zstd backend {az['zstd_backend']})")

@@ -14,15 +14,12 @@ from typing import Any
 import click
 
 from azqemu.daemon.client import Client
+from azqemu.units import fmt_bytes
 
 
 def _size(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            return f"{n / (1 << shift):.1f} {unit}"
-    return f"{n} B"
+    """A size for the tables, ``-`` where the daemon has none (a sandbox that is gone)."""
+    return "-" if n is None else fmt_bytes(n)
 
 
 def parse_mem_mib(value: str) -> int:
@@ -83,8 +80,9 @@ def template_delete(name: str) -> None:
 @click.argument("template_name", metavar="TEMPLATE")
 @click.option("-n", "count", default=1, show_default=True, type=int, help="How many clones.")
 @click.option("--name-prefix", default=None, help="Clone names are PREFIX0, PREFIX1, ... (default TEMPLATE-).")
-@click.option("--domain", "sharing_domain", default="default", show_default=True,
-              help="Sharing domain (tenant/task): pages are deduplicated only within one.")
+@click.option("--sharing-domain", "--domain", "sharing_domain", default="default", show_default=True,
+              help="Sharing domain (tenant/task): pages are deduplicated only within one. "
+                   "(--domain is a deprecated alias, kept for one release.)")
 @click.option("--mode", "ram_mode", type=click.Choice(["auto", "eager", "lazy", "cow"]), default="auto",
               show_default=True,
               help="How RAM is filled: copied (eager), served on first touch (lazy), or a "

@@ -2,7 +2,7 @@
 
 Modules, one concept each:
     kinds        page representations, on-disk numbers, thresholds
-    ram          RAM block layout (offset <-> gpa), data extents, reading resident pages
+    ram          guest-physical layout (offset <-> gpa), reading resident pages
     template     the template image: pages, hashes, duplicate and similarity lookups
     pagehash     XXH3-128 of pages: lookup key + checksum
     zstdlib      zstd of single pages, with a reference page as raw-content prefix
@@ -14,18 +14,20 @@ Modules, one concept each:
     blobtable    payload locations, reference counts, per-domain indices
     sbxindex     the per-sandbox index
     persist      on-disk metadata formats
+    generation   the store's on-disk generation: write, load, validate
+    pagedecode   decoding one page or rows for the store (locate under its lock, write outside)
+    domainview   the encoder's window on one sharing domain
     store        PageStore: the API for the restore path and the scheduler
     accounting   bytes owned per sandbox / domain / host
     linux_model  the KSM + zram baseline
     analyze      `azq mem analyze`
-    synthetic    memory-like synthetic images for tests and perf figures
 """
 
 from azqemu.memory.accounting import DomainBytes, OwnedBytes, StoreBytes
 from azqemu.memory.kinds import PAGE_SIZE, RAW_THRESHOLD_BYTES, Kind
-from azqemu.memory.ram import RamBlock, RamLayout, data_extents, read_resident_pages
+from azqemu.memory.ram import GuestRamRange, RamLayout, read_resident_pages
 from azqemu.memory.store import EncodeResult, NotStored, PageStore
 from azqemu.memory.template import TemplateImage
 
 __all__ = ["PAGE_SIZE", "RAW_THRESHOLD_BYTES", "DomainBytes", "EncodeResult", "Kind", "NotStored", "OwnedBytes", "PageStore",
-           "RamBlock", "RamLayout", "StoreBytes", "TemplateImage", "data_extents", "read_resident_pages"]
+           "GuestRamRange", "RamLayout", "StoreBytes", "TemplateImage", "read_resident_pages"]

@@ -12,17 +12,16 @@ page.
 
 from __future__ import annotations
 
-import os
 import threading
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import numpy as np
 import xxhash
 
 from azqemu.errors import ChecksumMismatch, StoreCorrupt
+from azqemu.host.threads import run_at_nice, thread_nice
 from azqemu.memory import lz4page
 from azqemu.memory.arena import ArenaSet
 from azqemu.memory.blobtable import BlobTable
@@ -56,26 +55,6 @@ def _pool() -> ThreadPoolExecutor:
         if _POOL is None:
             _POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="azq-decode")
         return _POOL
-
-
-def thread_nice() -> int:
-    """The calling thread's nice value (Linux: getpriority(2) with 0 names the thread)."""
-    try:
-        return os.getpriority(os.PRIO_PROCESS, 0)
-    except OSError:
-        return 0
-
-
-def run_at_nice(nice: int, fn: Callable[..., T], *args: Any) -> T:
-    """Run ``fn`` in a helper thread at the priority of the thread that asked: a helper
-    created by a niced compression thread must not slow a resume, nor the reverse. Raising
-    the priority needs CAP_SYS_NICE (the manager has it); without, it runs as it is."""
-    if thread_nice() != nice:
-        try:
-            os.setpriority(os.PRIO_PROCESS, 0, nice)
-        except OSError:
-            pass
-    return fn(*args)
 
 
 @dataclass

@@ -12,8 +12,9 @@ import enum
 
 import numpy as np
 
-PAGE_SIZE = 4096
-PAGE_SHIFT = 12
+from azqemu.pages import PAGE_SHIFT, PAGE_SIZE
+
+__all__ = ["PAGE_SHIFT", "PAGE_SIZE"]  # re-exported: the codec's modules import them from here
 WORDS_PER_PAGE = PAGE_SIZE // 8
 
 # An encoded page larger than this is not worth storing: it stays resident (RAW). zram keeps
@@ -31,9 +32,6 @@ class Kind(enum.IntEnum):
     ZSTD = 5        # zstd of the page alone
     RAW = 6         # nothing profitable: stays resident, not stored
     LZ4 = 7         # LZ4 of the page alone: a hot page, cheap to decode (see HOT_DECODE_BUDGET_US)
-
-
-KIND_NAMES = [k.name for k in Kind]
 
 
 class Method(enum.IntEnum):

@@ -54,10 +54,6 @@ def page_hash(page: np.ndarray | bytes | memoryview) -> tuple[int, int]:
     return int.from_bytes(d[:8], "little"), int.from_bytes(d[8:], "little")
 
 
-def page_check(page: np.ndarray | bytes | memoryview) -> int:
-    return int.from_bytes(_digest(_buf(page))[8:], "little")
-
-
 def page_checks(pages: np.ndarray) -> np.ndarray:
     """The checksum half only (used to verify decoded pages)."""
     return page_hashes(pages)[1]

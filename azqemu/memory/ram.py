@@ -13,16 +13,14 @@ mapping instantiates a page), so this module walks the data extents with
 
 from __future__ import annotations
 
-import errno
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from azqemu.errors import ConfigError, HostError
-from azqemu.memory.kinds import PAGE_SHIFT, PAGE_SIZE
+from azqemu.pages import PAGE_SHIFT, PAGE_SIZE, data_extents
 
 GIB = 1 << 30
 # QEMU q35 (hw/i386/pc_q35.c): with ram_size >= 0xb0000000 only 2 GiB stay below the
@@ -40,7 +38,7 @@ MAX_GAP_BYTES = 256 << 10
 
 
 @dataclass(frozen=True)
-class RamBlock:
+class GuestRamRange:
     """One contiguous piece of guest RAM: file range [offset, offset+size) at gpa [gpa, gpa+size)."""
 
     name: str
@@ -59,7 +57,7 @@ class RamBlock:
 class RamLayout:
     """The RAM blocks of a machine, sorted by file offset, non-overlapping."""
 
-    blocks: tuple[RamBlock, ...] = field(default_factory=tuple)
+    blocks: tuple[GuestRamRange, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         blocks = tuple(sorted(self.blocks, key=lambda b: b.offset))
@@ -71,7 +69,7 @@ class RamLayout:
     @classmethod
     def flat(cls, ram_bytes: int, name: str = "pc.ram") -> RamLayout:
         """One block with offset == gpa."""
-        return cls((RamBlock(name, 0, ram_bytes, 0),))
+        return cls((GuestRamRange(name, 0, ram_bytes, 0),))
 
     @classmethod
     def q35(cls, ram_bytes: int) -> RamLayout:
@@ -79,18 +77,14 @@ class RamLayout:
         if ram_bytes % PAGE_SIZE or ram_bytes <= 0:
             raise ConfigError(f"RAM size {ram_bytes} is not a positive multiple of 4 KiB")
         lowmem = Q35_LOWMEM_BYTES if ram_bytes >= Q35_LOWMEM_SPLIT_BYTES else ram_bytes
-        blocks = [RamBlock("pc.ram/below-4g", 0, lowmem, 0)]
+        blocks = [GuestRamRange("pc.ram/below-4g", 0, lowmem, 0)]
         if ram_bytes > lowmem:
-            blocks.append(RamBlock("pc.ram/above-4g", lowmem, ram_bytes - lowmem, ABOVE_4G_GPA))
+            blocks.append(GuestRamRange("pc.ram/above-4g", lowmem, ram_bytes - lowmem, ABOVE_4G_GPA))
         return cls(tuple(blocks))
 
     @property
     def size_bytes(self) -> int:
         return sum(b.size_bytes for b in self.blocks)
-
-    @property
-    def end_offset(self) -> int:
-        return max((b.offset + b.size_bytes for b in self.blocks), default=0)
 
     def _tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         offs = np.array([b.offset for b in self.blocks], dtype=np.int64)
@@ -131,40 +125,6 @@ class RamLayout:
                 if lo < hi:
                     out.append((lo, hi - lo))
         return out
-
-
-def _fd_size(fd: int) -> int:
-    return os.fstat(fd).st_size
-
-
-def data_extents(fd: int) -> list[tuple[int, int]]:
-    """Data extents of a file as page-aligned (offset, length), walked with SEEK_DATA/SEEK_HOLE.
-
-    Relies on lseek(2) SEEK_DATA/SEEK_HOLE (Linux >= 3.1; tmpfs, memfd, ext4, xfs report real
-    holes; a filesystem without support reports one extent covering the whole file, which is
-    correct, only slower).
-    """
-    size = _fd_size(fd)
-    extents: list[tuple[int, int]] = []
-    pos = 0
-    while pos < size:
-        try:
-            start = os.lseek(fd, pos, os.SEEK_DATA)
-        except OSError as err:
-            if err.errno == errno.ENXIO:      # no data after pos
-                break
-            raise
-        end = os.lseek(fd, start, os.SEEK_HOLE)
-        # Round outwards to whole pages: extents on tmpfs are page granular anyway.
-        a = start & ~(PAGE_SIZE - 1)
-        b = min((end + PAGE_SIZE - 1) & ~(PAGE_SIZE - 1), (size + PAGE_SIZE - 1) & ~(PAGE_SIZE - 1))
-        if extents and extents[-1][0] + extents[-1][1] >= a:
-            prev_a = extents[-1][0]
-            extents[-1] = (prev_a, max(b, prev_a + extents[-1][1]) - prev_a)
-        else:
-            extents.append((a, b - a))
-        pos = end
-    return extents
 
 
 def _open(fd_or_path: int | str | os.PathLike[str]) -> tuple[int, bool]:
@@ -229,7 +189,7 @@ def _page_extents(fd: int, layout: RamLayout | None) -> list[tuple[int, int]]:
         extents = layout.clip(extents)
     # A tail shorter than a page is rounded up by data_extents; reading past EOF gives zeros
     # only if we ask for it, so clip the request to the file and let the row stay zero.
-    size = _fd_size(fd)
+    size = os.fstat(fd).st_size
     out = []
     for off, ln in extents:
         ln = min(ln, ((size + PAGE_SIZE - 1) & ~(PAGE_SIZE - 1)) - off)
@@ -238,43 +198,10 @@ def _page_extents(fd: int, layout: RamLayout | None) -> list[tuple[int, int]]:
     return out
 
 
-def iter_resident_chunks(fd_or_path: int | str | os.PathLike[str], layout: RamLayout | None = None,
-                         chunk_bytes: int = READ_CHUNK_BYTES) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Yield (page_idx, pages) chunks of about ``chunk_bytes`` of the resident pages."""
-    fd, owned = _open(fd_or_path)
-    try:
-        extents = _page_extents(fd, layout)
-        group: list[tuple[int, int]] = []
-        size = 0
-        for off, ln in extents + [(-1, 0)]:
-            if off >= 0:
-                # Split extents larger than a chunk.
-                while ln > chunk_bytes:
-                    group.append((off, chunk_bytes))
-                    yield from _read_group(fd, group)
-                    group, size = [], 0
-                    off, ln = off + chunk_bytes, ln - chunk_bytes
-                group.append((off, ln))
-                size += ln
-            if group and (off < 0 or size >= chunk_bytes):
-                yield from _read_group(fd, group)
-                group, size = [], 0
-    finally:
-        if owned:
-            os.close(fd)
-
-
-def _read_group(fd: int, group: list[tuple[int, int]]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    idx = _extent_pages(group)
-    pages = np.empty((len(idx), PAGE_SIZE), dtype=np.uint8)
-    _read_extents_into(fd, _clip_to_file(fd, group), pages)
-    yield idx, pages
-
-
 def _clip_to_file(fd: int, extents: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """The last page of a file whose size is not page aligned: read only what exists (the rest
     of the row is zeroed here)."""
-    size = _fd_size(fd)
+    size = os.fstat(fd).st_size
     if not extents or extents[-1][0] + extents[-1][1] <= size:
         return extents
     off, ln = extents[-1]

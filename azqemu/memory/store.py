@@ -2,10 +2,11 @@
 
 ``PageStore`` keeps encoded pages in arenas (arena.py), their locations and reference counts in
 the blob table (blobtable.py), one compact index per sandbox (sbxindex.py) and persists all of
-it under one root directory (persist.py). It is the API the restore path and the scheduler
-build on: ``encode`` a sandbox's resident pages while it waits for its LLM, ``decode`` in bulk
-for prefetch and ``decode_page_into`` on the userfaultfd fault path, ``discard`` pages that are
-resident again, ``free_sandbox`` when it is destroyed.
+it under one root directory (generation.py, in persist.py's formats); the encoder sees a
+sharing domain through domainview.py and pagedecode.py turns entries back into pages. It is the
+API the restore path and the scheduler build on: ``encode`` a sandbox's resident pages while it
+waits for its LLM, ``decode`` in bulk for prefetch and ``decode_page_into`` on the userfaultfd
+fault path, ``discard`` pages that are resident again, ``free_sandbox`` when it is destroyed.
 
 Concurrency: one re-entrant state lock guards the tables and the arena mappings and is held
 only for lookups and commits (decoders copy the payload bytes out under it and decompress
@@ -26,9 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import xxhash
 
-from azqemu.errors import ChecksumMismatch, StoreCorrupt, StoreError
+from azqemu.errors import StoreCorrupt, StoreError
 from azqemu.memory.accounting import (
     DomainBytes,
     OwnedBytes,
@@ -37,41 +37,27 @@ from azqemu.memory.accounting import (
     raw_page_bytes,
     sandbox_shares,
 )
-from azqemu.memory.arena import ARENA_HEADER_BYTES, DEFAULT_ARENA_BYTES, ArenaSet
-from azqemu.memory.blobdecode import decode_batch, decode_recipe, read_batch, read_recipe
+from azqemu.memory.arena import DEFAULT_ARENA_BYTES, ArenaSet
 from azqemu.memory.blobtable import BLOB_DTYPE, BlobTable, DomainState
+from azqemu.memory.domainview import StoreDomainView
 from azqemu.memory.encoder import T_BLOB, T_NEW, T_TEMPLATE, Encoder, EncoderOptions, Plan
+from azqemu.memory.generation import StoredSandbox, load_generation, validate_generation, write_generation
 from azqemu.memory.kinds import (
-    DECODE_COST_US,
     DEFAULT_DECODE_BUDGET_US,
     ENTRY_DTYPE,
     FLAG_REF_TEMPLATE,
     PAGE_SIZE,
     Kind,
-    Method,
     RefType,
 )
-from azqemu.memory.pagehash import ZERO_CHECK, page_hashes_rows
-from azqemu.memory.persist import (
-    STORE_FILE,
-    index_file_name,
-    read_index,
-    read_store,
-    write_index,
-    write_store,
-)
+from azqemu.memory.pagedecode import locate_page, locate_rows, write_page, write_rows
+from azqemu.memory.persist import STORE_FILE, index_file_name
 from azqemu.memory.sbxindex import SandboxIndex
-from azqemu.memory.simindex import SimilarityIndex
 from azqemu.memory.template import TemplateImage
 from azqemu.memory.zstdlib import DEFAULT_LEVEL, PageZstd
 
-_ZERO_ARRAY = np.zeros(PAGE_SIZE, dtype=np.uint8)
-_ZERO_ARRAY.flags.writeable = False
-_DIGEST = xxhash.xxh3_128_digest
 _KIND_ZERO, _KIND_TEMPLATE = int(Kind.ZERO), int(Kind.TEMPLATE)
-_REFTYPE_BLOB, _REFTYPE_TEMPLATE = int(RefType.BLOB), int(RefType.TEMPLATE)
-# Blobs decoded for the encoder (DUP confirmation, SDELTA bases) are cached per encode call.
-ENCODER_BLOB_CACHE_PAGES = 4096
+_REFTYPE_BLOB = int(RefType.BLOB)
 _NAME_OK = re.compile(r"^[^\x00]{1,1024}$")
 
 
@@ -111,61 +97,6 @@ class EncodeResult:
         return self.input_bytes / (1 << 20) / self.cpu_s if self.cpu_s > 0 else float("inf")
 
 
-@dataclass
-class _Sandbox:
-    name: str
-    domain: DomainState
-    template_id: str
-    index: SandboxIndex
-    raw: np.ndarray                  # sorted u4 page indices left resident (RAW)
-
-
-class _DomainView:
-    """The encoder's window on one domain (encoder.DomainView)."""
-
-    def __init__(self, store: PageStore, d: DomainState, template: TemplateImage,
-                 own_refs: np.ndarray | None = None) -> None:
-        self.store, self.d, self.template = store, d, template
-        self.cache: dict[int, np.ndarray] = {}
-        # Blob ids the encoding sandbox references now (sorted): its old entries.
-        self.own_refs = np.unique(own_refs) if own_refs is not None else np.zeros(0, np.uint32)
-
-    def find_dups(self, key: np.ndarray) -> np.ndarray:
-        with self.store._lock:
-            return self.store._table.find_dups(self.d, key)
-
-    def blob_page(self, blob_id: int) -> np.ndarray:
-        page = self.cache.get(blob_id)
-        if page is None:
-            page = np.empty(PAGE_SIZE, dtype=np.uint8)
-            with self.store._lock:
-                recipe = read_recipe(self.store._table, self.store._arenas, blob_id)
-            decode_recipe(self.store.zstd, recipe, page, self.template)
-            if len(self.cache) >= ENCODER_BLOB_CACHE_PAGES:
-                self.cache.clear()
-            self.cache[blob_id] = page
-        return page
-
-    def blob_decode_cost_us(self, blob_id: int) -> float:
-        return DECODE_COST_US[Method(int(self.store._table.rows["method"][blob_id]))]
-
-    def blob_shared(self, blob_id: int) -> bool:
-        """Whether anything but one old entry of the encoding sandbox holds the blob."""
-        if int(self.store._table.rows["refcount"][blob_id]) > 1:
-            return True
-        i = int(np.searchsorted(self.own_refs, blob_id))
-        return not (i < len(self.own_refs) and int(self.own_refs[i]) == blob_id)
-
-    def blob_is_base(self, blob_id: int) -> bool:
-        rows = self.store._table.rows
-        return (blob_id < self.store._table.n and int(rows["refcount"][blob_id]) > 0
-                and int(rows["domain"][blob_id]) == self.d.did and int(rows["reftype"][blob_id]) != _REFTYPE_BLOB)
-
-    def sim_index(self) -> SimilarityIndex:
-        with self.store._lock:
-            return self.store._table.sim_index(self.d)
-
-
 class PageStore:
     """Encoded guest pages of many sandboxes under ``root_dir`` (see the module docstring)."""
 
@@ -186,13 +117,15 @@ class PageStore:
         self._templates: dict[str, TemplateImage] = {t.template_id: t for t in templates}
         self._template_paths: dict[str, dict[str, Any]] = {
             t.template_id: {"path": t.path, "n_pages": t.n_pages} for t in templates}
-        self._sandboxes: dict[str, _Sandbox] = {}
+        self._sandboxes: dict[str, StoredSandbox] = {}
         self._freed_files: list[str] = []
         self._dirty: set[str] = set()
         self._table = BlobTable()
         store_file = self.root / STORE_FILE
         if store_file.exists():
-            self._load(store_file, arena_bytes)
+            loaded = load_generation(self.root, arena_bytes, self._template_paths)
+            self.uuid, self._table, self._arenas = loaded.uuid, loaded.table, loaded.arenas
+            self._sandboxes.update(loaded.sandboxes)
         else:
             leftovers = [p.name for p in self.root.iterdir() if p.name.startswith(("arena-", "sbx-"))]
             if leftovers:
@@ -220,7 +153,7 @@ class PageStore:
             self._templates[template_id] = t
         return t
 
-    def _sandbox(self, name: str) -> _Sandbox:
+    def _sandbox(self, name: str) -> StoredSandbox:
         sb = self._sandboxes.get(name)
         if sb is None:
             raise NotStored(name)
@@ -277,7 +210,7 @@ class PageStore:
                 with self._lock:
                     old = self._sandboxes.get(sandbox)
                     own = old.index.blob_refs().copy() if old is not None and hot is not None else None
-                view = _DomainView(self, d, template, own)
+                view = StoreDomainView(self._lock, self._table, self._arenas, self.zstd, d, template, own)
                 plan = encoder.plan(page_idx, pages, template, view, hot)
                 with self._lock:
                     if self._plan_still_valid(plan):
@@ -336,7 +269,7 @@ class PageStore:
         sb = self._sandboxes.get(sandbox)
         new_pages = plan.page_idx
         if sb is None:
-            sb = _Sandbox(sandbox, d, template.template_id, SandboxIndex.empty(), np.zeros(0, np.uint32))
+            sb = StoredSandbox(sandbox, d, template.template_id, SandboxIndex.empty(), np.zeros(0, np.uint32))
             self._sandboxes[sandbox] = sb
             d.sandboxes.add(sandbox)
         old_p, old_k, old_f, old_r = sb.index.expand()
@@ -389,13 +322,8 @@ class PageStore:
             return np.where(found, kind, int(Kind.RAW)).astype(np.uint8)
 
     # ------------------------------------------------------------------ decode
-    def _page_buf(self) -> tuple[np.ndarray, int]:
-        pair = getattr(self._tls, "page", None)
-        if pair is None:
-            buf = np.empty(PAGE_SIZE, dtype=np.uint8)
-            pair = self._tls.page = (buf, buf.ctypes.data)
-        return pair
-
+    # Entries are looked up and their payloads copied out under the state lock; pages are
+    # produced and verified outside it (pagedecode.py).
     def decode_page_into(self, sandbox: str, page_idx: int, out: Any) -> None:
         """Decode one page into ``out`` (a writable 4096-byte buffer), verified first.
 
@@ -412,33 +340,8 @@ class PageStore:
                 raise NotStored(sandbox, page_idx)
             k, flags, ref = hit
             template = self._templates.get(sb.template_id) or self._template(sb.template_id)
-            recipe = None
-            src: np.ndarray = _ZERO_ARRAY
-            expect = ZERO_CHECK
-            if k == _KIND_ZERO:
-                pass
-            elif k == _KIND_TEMPLATE or (flags & FLAG_REF_TEMPLATE):
-                tpage = page_idx if k == _KIND_TEMPLATE else ref
-                tp = template.page(tpage)
-                if tp is not None:
-                    src = tp
-                    expect = int(template.check[template.row_of[tpage]])
-            else:
-                recipe = read_recipe(self._table, self._arenas, ref)
-        if k == _KIND_ZERO:
-            out[:PAGE_SIZE] = _ZERO_ARRAY
-            return
-        if recipe is None:
-            if int.from_bytes(_DIGEST(src.data)[8:], "little") != expect:
-                raise ChecksumMismatch(page_idx, "template page")
-            out[:PAGE_SIZE] = src
-            return
-        buf, buf_addr = self._page_buf()
-        try:
-            decode_recipe(self.zstd, recipe, buf, template, buf_addr)
-        except ChecksumMismatch as err:
-            raise ChecksumMismatch(page_idx, str(err)) from err
-        out[:PAGE_SIZE] = buf
+            located = locate_page(self._table, self._arenas, template, page_idx, k, flags, ref)
+        write_page(self.zstd, self._tls, template, page_idx, located, out)
 
     def decode(self, sandbox: str, page_idx: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Decode many pages at once (prefetch): (n, 4096) uint8, every page verified.
@@ -461,50 +364,8 @@ class PageStore:
             if n and not found.all():
                 missing = int(page_idx[np.flatnonzero(~found)[0]])
                 raise NotStored(sandbox, missing)
-            ref = ref32.astype(np.int64)
-            m_tpl = kind == _KIND_TEMPLATE
-            m_dupt = (flags & FLAG_REF_TEMPLATE) != 0
-            m_blob = ~m_tpl & ~m_dupt & (kind != _KIND_ZERO)
-            blobs, first, inverse = np.unique(ref[m_blob], return_index=True, return_inverse=True)
-            batch = read_batch(self._table, self._arenas, blobs)
-        # Template rows are gathered from the template, ZERO rows zero-filled; blob rows are
-        # written by the decoder below (a hot set is mostly blobs: no gather for them).
-        t_any = m_tpl | m_dupt
-        src = np.full(n, template.zero_row, dtype=np.int64)
-        if t_any.all():
-            src = template.rows_z(np.where(m_tpl, page_idx, ref))
-            np.take(template.pages_z, src, axis=0, out=out)
-        elif t_any.any():
-            tr = np.flatnonzero(t_any)
-            src[tr] = template.rows_z(np.where(m_tpl[tr], page_idx[tr], ref[tr]))
-            out[tr] = template.pages_z[src[tr]]
-        out[kind == _KIND_ZERO] = 0
-        # Template-derived rows are verified by hashing: the template is trusted only as far as
-        # its load-time hashes.
-        trows = np.flatnonzero(t_any & (src != template.zero_row))
-        if len(trows):
-            bad = page_hashes_rows(out, trows)[1] != template.check[src[trows]]
-            if bad.any():
-                raise ChecksumMismatch(int(page_idx[trows[np.flatnonzero(bad)[0]]]), "template page")
-        if len(blobs):
-            brows = np.flatnonzero(m_blob)
-            # Decode each blob once, into the first row that needs it, then copy to the others.
-            try:
-                decode_batch(self.zstd, batch, template, out, brows[first])
-            except ChecksumMismatch as err:
-                # Name the first requested page that depends on the failing blob.
-                bad_blob = getattr(err, "blob_id", -1)
-                hit = np.flatnonzero(ref[brows] == bad_blob)
-                if len(hit) == 0 and batch.base is not None:
-                    users = batch.blobs[batch.base_pos >= 0][batch.base.blobs[batch.base_pos[batch.base_pos >= 0]]
-                                                             == bad_blob]
-                    hit = np.flatnonzero(np.isin(ref[brows], users))
-                page = int(page_idx[brows[hit[0]]]) if len(hit) else -1
-                raise ChecksumMismatch(page, str(err)) from err
-            others = np.ones(len(brows), dtype=bool)
-            others[first] = False
-            if others.any():
-                out[brows[others]] = out[brows[first][inverse[others]]]
+            rows = locate_rows(self._table, self._arenas, kind, flags, ref32)
+        write_rows(self.zstd, template, page_idx, rows, out)
         return out
 
     def decode_pages_into(self, sandbox: str, page_idx: np.ndarray, out: Any) -> None:
@@ -591,44 +452,10 @@ class PageStore:
 
     # ------------------------------------------------------------------ persistence
     def flush(self) -> None:
-        """Write everything needed to reopen the store from ``root_dir``."""
+        """Write everything needed to reopen the store from ``root_dir`` (generation.py)."""
         with self._lock:
-            self._arenas.flush()
-            for name in sorted(self._dirty):
-                sb = self._sandboxes[name]
-                write_index(self.root / index_file_name(name), self.uuid, name, sb.index.to_records(), sb.raw,
-                            sb.index.zt)
-            self._dirty.clear()
-            table = self._table
-            # Purge freed ids from the similarity indices so the saved free list is clean.
-            table.reclaim()
-            for d in table.domains.values():
-                table.sim_index(d)
-            meta = {
-                "store_uuid": self.uuid.hex(),
-                "n_blobs": table.n,
-                "free": sorted(table.free),
-                "templates": self._template_paths,
-                "domains": [{"name": d.name, "did": d.did, "template_id": d.template_id, "sim_entries": len(d.sim)}
-                            for d in sorted(table.domains.values(), key=lambda d: d.did)],
-                "sandboxes": [{"name": s.name, "domain": s.domain.name, "template_id": s.template_id,
-                               "file": index_file_name(s.name)} for s in self._sandboxes.values()],
-                "arenas": [{"id": a.arena_id, "used": a.used, "live": a.live} for a in self._arenas.arenas.values()],
-                "current_arena": None if self._arenas.current is None else self._arenas.current.arena_id,
-                "arena_bytes": self._arenas.arena_bytes,
-            }
-            binary: list[bytes | memoryview] = [table.rows[:table.n].tobytes()]
-            for d in sorted(table.domains.values(), key=lambda d: d.did):
-                binary.append(d.sim.keys.astype("<u8").tobytes())
-                binary.append(d.sim.sources.astype("<u4").tobytes())
-            write_store(self.root / STORE_FILE, meta, binary)
-            for fname in self._freed_files:
-                if fname not in {index_file_name(s) for s in self._sandboxes}:
-                    try:
-                        os.unlink(self.root / fname)
-                    except FileNotFoundError:
-                        pass
-            self._freed_files = []
+            write_generation(self.root, self.uuid, self._table, self._arenas, self._sandboxes,
+                             self._template_paths, self._dirty, self._freed_files)
 
     def close(self) -> None:
         with self._lock:
@@ -640,128 +467,11 @@ class PageStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _load(self, path: Path, arena_bytes: int) -> None:
-        try:
-            self._load_checked(path, arena_bytes)
-        except (KeyError, TypeError, ValueError, AttributeError) as err:
-            # The file passed its checksum, so this is a writer's bug or a crafted file.
-            raise StoreCorrupt(str(path), f"malformed metadata: {type(err).__name__}: {err}") from err
-
-    def _load_checked(self, path: Path, arena_bytes: int) -> None:
-        meta, body = read_store(path)
-        bad = StoreCorrupt
-        try:
-            self.uuid = bytes.fromhex(meta["store_uuid"])
-            n_blobs = int(meta["n_blobs"])
-            domains = meta["domains"]
-            sandboxes = meta["sandboxes"]
-            arenas = meta["arenas"]
-            templates = meta["templates"]
-            current = meta["current_arena"]
-            a_bytes = int(meta.get("arena_bytes", arena_bytes))
-        except (KeyError, TypeError, ValueError) as err:
-            raise bad(str(path), f"metadata field missing or malformed: {err}") from err
-        if len(self.uuid) != 16:
-            raise bad(str(path), "bad store uuid")
-        if not 0 <= n_blobs <= len(body) // BLOB_DTYPE.itemsize:
-            raise bad(str(path), "blob count exceeds the file")
-        off = n_blobs * BLOB_DTYPE.itemsize
-        rows = np.zeros(max(1024, n_blobs), dtype=BLOB_DTYPE)
-        rows[:n_blobs] = np.frombuffer(body, dtype=BLOB_DTYPE, count=n_blobs)
-        table = BlobTable(rows, n_blobs)
-        for t_id, info in templates.items():
-            if t_id not in self._template_paths:
-                self._template_paths[t_id] = info
-        for dm in sorted(domains, key=lambda x: x["did"]):
-            d = DomainState(str(dm["name"]), int(dm["did"]), str(dm["template_id"]))
-            k = int(dm["sim_entries"])
-            if k < 0 or off + 12 * k > len(body):
-                raise bad(str(path), "similarity index exceeds the file")
-            keys = np.frombuffer(body, dtype="<u8", count=k, offset=off).copy()
-            srcs = np.frombuffer(body, dtype="<u4", count=k, offset=off + 8 * k).copy()
-            off += 12 * k
-            if k and (srcs.max() >= max(n_blobs, 1) or np.any(np.diff(keys.astype(np.uint64)) < 0)
-                      if k > 1 else srcs.max() >= max(n_blobs, 1)):
-                raise bad(str(path), "similarity index out of bounds")
-            d.sim = SimilarityIndex(keys, srcs)
-            table.domains[d.name] = d
-            table.domain_by_id[d.did] = d
-        if off != len(body):
-            raise bad(str(path), "trailing bytes after the indices")
-        self._table = table
-        self._arenas = ArenaSet(self.root, self.uuid, a_bytes)
-        for a in arenas:
-            self._arenas.open_existing(int(a["id"]), int(a["used"]), int(a["live"]))
-        if current is not None:
-            if current not in self._arenas.arenas:
-                raise bad(str(path), "current arena missing")
-            self._arenas.current = self._arenas.arenas[current]
-        table.free = [int(b) for b in meta.get("free", []) if 0 <= int(b) < n_blobs]
-        for s in sandboxes:
-            name, rec, raw, zt = read_index(self.root / str(s["file"]), self.uuid)
-            if name != s["name"] or s["domain"] not in table.domains:
-                raise bad(str(self.root / str(s["file"])), "index does not match the store")
-            d = table.domains[s["domain"]]
-            sb = _Sandbox(name, d, str(s["template_id"]), SandboxIndex.from_parts(zt, rec), raw)
-            self._sandboxes[name] = sb
-            d.sandboxes.add(name)
-        self._validate(path)
-
-    def _validate(self, path: Path) -> None:
-        """Bounds and reference counts of everything loaded; StoreCorrupt on any mismatch."""
-        table = self._table
-        n = table.n
-        rows = table.rows[:n]
-        live = rows["refcount"] > 0
-        lv = rows[live]
-        if len(lv):
-            if (lv["method"] > int(Method.LZ4_XOR)).any() or (lv["reftype"] > 2).any():
-                raise StoreCorrupt(str(path), "unknown blob method or reference type")
-            if (lv["length"] == 0).any() or (lv["length"] > PAGE_SIZE + 128).any():
-                raise StoreCorrupt(str(path), "blob length out of bounds")
-            for a_id in np.unique(lv["arena"]):
-                a = self._arenas.arenas.get(int(a_id))
-                sel = lv[lv["arena"] == a_id]
-                if a is None:
-                    raise StoreCorrupt(str(path), f"blob in missing arena {a_id}")
-                ends = sel["offset"].astype(np.int64) + sel["length"]
-                if (sel["offset"] < ARENA_HEADER_BYTES).any() or (ends > a.used).any():
-                    raise StoreCorrupt(str(path), f"blob outside arena {a_id}")
-            if not np.isin(lv["domain"], list(table.domain_by_id)).all():
-                raise StoreCorrupt(str(path), "blob of an unknown domain")
-            based = lv[lv["reftype"] == _REFTYPE_BLOB]
-            if len(based):
-                b = based["ref"].astype(np.int64)
-                if (b >= n).any() or (rows["refcount"][np.minimum(b, n - 1)] == 0).any() \
-                        or (rows["reftype"][np.minimum(b, n - 1)] == _REFTYPE_BLOB).any():
-                    raise StoreCorrupt(str(path), "SDELTA base missing or chained")
-        expected = np.zeros(n, dtype=np.int64)
-        for sb in self._sandboxes.values():
-            idx = sb.index
-            problem = idx.check()
-            if problem:
-                raise StoreCorrupt(str(path), f"index of {sb.name!r}: {problem}")
-            refs = idx.blob_refs().astype(np.int64)
-            if len(refs) and (refs >= n).any():
-                raise StoreCorrupt(str(path), f"index of {sb.name!r} names a missing blob")
-            if len(refs) and (rows["domain"][refs] != sb.domain.did).any():
-                raise StoreCorrupt(str(path), f"index of {sb.name!r} names a blob of another domain")
-            expected += np.bincount(refs, minlength=n)[:n]
-        based_ids = rows["ref"][live & (rows["reftype"] == _REFTYPE_BLOB)].astype(np.int64)
-        expected += np.bincount(based_ids, minlength=n)[:n]
-        if not np.array_equal(expected, rows["refcount"].astype(np.int64)):
-            raise StoreCorrupt(str(path), "reference counts do not match the indices")
-        for d in table.domains.values():
-            d.dup_dirty = True
-        # Arena live counters are recomputed, not trusted.
-        for a in self._arenas.arenas.values():
-            a.live = int(lv["length"][lv["arena"] == a.arena_id].sum()) if len(lv) else 0
-
     # ------------------------------------------------------------------ introspection
     def check_consistency(self) -> None:
         """Re-run the load-time validation on the live state (tests, debugging)."""
         with self._lock:
-            self._validate(self.root / STORE_FILE)
+            validate_generation(self.root / STORE_FILE, self._table, self._arenas, self._sandboxes)
 
     @property
     def entry_bytes(self) -> int:

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import os
 import threading
-from pathlib import Path
 
 import numpy as np
 import xxhash
 
 from azqemu.errors import StoreError
 from azqemu.memory.kinds import PAGE_SHIFT, PAGE_SIZE
-from azqemu.memory.pagehash import ZERO_CHECK, page_hashes
+from azqemu.memory.pagehash import page_hashes
 from azqemu.memory.ram import RamLayout, read_resident_buffer
 
 
@@ -97,11 +96,6 @@ class TemplateImage:
         """(n, 4096) copies of the template pages at these indices (zero for holes)."""
         return np.take(self.pages_z, self.rows_z(page_idx), axis=0)
 
-    def checks_at(self, page_idx: np.ndarray) -> np.ndarray:
-        r = self.rows(page_idx)
-        return np.where(r >= 0, self.check[np.maximum(r, 0)] if len(self.check) else np.uint64(ZERO_CHECK),
-                        np.uint64(ZERO_CHECK)).astype(np.uint64)
-
     def page(self, page_idx: int) -> np.ndarray | None:
         """Read-only view of one template page, or None for a hole."""
         if page_idx < 0 or page_idx >= self.n_pages:
@@ -135,7 +129,3 @@ class TemplateImage:
 
     def __repr__(self) -> str:
         return f"TemplateImage({self.path!r}, {len(self.page_idx)} data pages, id {self.template_id[:12]})"
-
-
-def open_template(path: str | Path, layout: RamLayout | None = None) -> TemplateImage:
-    return TemplateImage(path, layout)

@@ -6,7 +6,6 @@
 - :mod:`.source`    where a page's content comes from (store, template, zero)
 - :mod:`.handler`   the fault server thread (UFFDIO_COPY on every missing page)
 - :mod:`.prefetch`  bulk restore of the hot set before the guest resumes
-- :mod:`.serve`     a standalone fault server (``python -m azqemu.restore.serve``)
 """
 
 from azqemu.restore.errors import (
@@ -16,7 +15,7 @@ from azqemu.restore.errors import (
     PageUnavailable,
     UffdIoctlError,
 )
-from azqemu.restore.export import RamBlock, UffdExport, UffdHandle
+from azqemu.restore.export import RamMapping, UffdExport, UffdHandle
 from azqemu.restore.handler import FaultHandler, HandlerStats
 from azqemu.restore.prefetch import Prefetcher, PrefetchResult, prefetch
 from azqemu.restore.source import (
@@ -29,7 +28,7 @@ from azqemu.restore.source import (
 
 __all__ = [
     "CompositeSource", "ExportProtocolError", "ExportRefused", "ExportUnavailable", "FaultHandler",
-    "HandlerStats", "PageSource", "PageUnavailable", "PrefetchResult", "Prefetcher", "RamBlock",
+    "HandlerStats", "PageSource", "PageUnavailable", "PrefetchResult", "Prefetcher", "RamMapping",
     "StoreSource", "TemplateSource", "UffdExport", "UffdHandle", "UffdIoctlError", "ZeroSource",
     "prefetch",
 ]

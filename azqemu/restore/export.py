@@ -39,7 +39,7 @@ CONNECT_RETRY_S = 0.05
 
 
 @dataclass(frozen=True)
-class RamBlock:
+class RamMapping:
     """One guest-RAM mapping in QEMU: ``size_bytes`` at host address ``hva`` map the
     backing file ``ram_fds[ram_fd_index]`` from ``offset``. ``name`` is the mapping's
     path as /proc/<pid>/maps shows it (``/memfd:NAME (deleted)`` or a /dev/shm path).
@@ -84,7 +84,7 @@ class UffdHandle:
 
     uffd: int
     ram_fds: list[int]
-    blocks: list[RamBlock]
+    blocks: list[RamMapping]
     pid: int = 0
     features: int = 0            # enabled on the uffd (uffd_abi.UFFD_FEATURE_*)
     features_offered: int = 0    # what QEMU's kernel supports
@@ -130,28 +130,24 @@ class UffdHandle:
             ioctls &= self.register(block.hva, block.size_bytes)
         return ioctls
 
-    def unregister_all(self) -> None:
-        for block in self.blocks:
-            self.unregister(block.hva, block.size_bytes)
-
     def wake_all(self) -> None:
         for block in self.blocks:
             self.wake(block.hva, block.size_bytes)
 
     # -- the backing ---------------------------------------------------------------------
-    def ram_fd(self, block: RamBlock) -> int:
+    def ram_fd(self, block: RamMapping) -> int:
         if block.ram_fd_index < 0:
             raise ExportProtocolError(self.socket_path, f"no fd for RAM block {block.name!r}")
         return self.ram_fds[block.ram_fd_index]
 
-    def punch(self, block: RamBlock, offset: int, size_bytes: int) -> None:
+    def punch(self, block: RamMapping, offset: int, size_bytes: int) -> None:
         """Punch [offset, offset+size_bytes) of the block's backing file (file offsets).
 
         Register the range first: a punched page of an unregistered range reads as zero.
         """
         uffd.punch_hole(self.ram_fd(block), offset, size_bytes)
 
-    def block_of(self, hva: int) -> RamBlock | None:
+    def block_of(self, hva: int) -> RamMapping | None:
         for block in self.blocks:
             if block.contains(hva):
                 return block
@@ -175,16 +171,12 @@ class UffdHandle:
         self.close()
 
 
-def _errno_name(number: int) -> str:
-    return _errno.errorcode.get(number, str(number))
-
-
 def parse_reply(text: bytes, nfds: int, socket_path: str = "") -> dict[str, object]:
     """Parse one reply of the library (``AZQ1 OK ... end`` or ``AZQ1 ERR <n> <NAME> <text>``).
 
     Raises ExportRefused for ERR and ExportProtocolError for anything malformed. For a
     HELLO reply the dict holds ``pid``, ``uffd_created``, ``uffd_fd_in_peer``,
-    ``uffd_features``, ``uffd_ioctls``, ``fds`` and ``blocks`` (list of RamBlock).
+    ``uffd_features``, ``uffd_ioctls``, ``fds`` and ``blocks`` (list of RamMapping).
     """
     def bad(detail: str) -> ExportProtocolError:
         return ExportProtocolError(socket_path, detail)
@@ -203,7 +195,7 @@ def parse_reply(text: bytes, nfds: int, socket_path: str = "") -> dict[str, obje
     if lines[0] != f"{PROTO} OK":
         raise bad(f"unexpected first line {lines[0][:80]!r}")
     out: dict[str, object] = {"blocks": []}
-    blocks: list[RamBlock] = []
+    blocks: list[RamMapping] = []
     ended = False
     for line in lines[1:]:
         if ended:
@@ -231,7 +223,7 @@ def parse_reply(text: bytes, nfds: int, socket_path: str = "") -> dict[str, obje
                     raise ValueError("block out of range")
                 if not -1 <= fd_index < nfds - 1:
                     raise ValueError(f"RAM fd index {fd_index} but {nfds - 1} RAM fds")
-                blocks.append(RamBlock(hva, size, offset, page_size, parts[5], fd_index))
+                blocks.append(RamMapping(hva, size, offset, page_size, parts[5], fd_index))
             elif key == "private":
                 # Marks the block at this address (listed before) as copy-on-write.
                 at = int(rest, 0)

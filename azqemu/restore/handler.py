@@ -25,7 +25,6 @@ the ioctl argument are preallocated, and stats go into preallocated arrays.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import fcntl
@@ -40,9 +39,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from azqemu.host.threads import FAULT_HANDLER_NICE, set_thread_nice
 from azqemu.restore import uffd_abi as abi
 from azqemu.restore.errors import UffdIoctlError
-from azqemu.restore.export import RamBlock, UffdHandle
+from azqemu.restore.export import RamMapping, UffdHandle
 from azqemu.restore.source import CompositeSource, MappedSource, PageSource, ZeroSource
 
 log = logging.getLogger(__name__)
@@ -52,9 +52,6 @@ log = logging.getLogger(__name__)
 BATCH_MSGS = 64
 # Service times kept for stats (a ring: the newest RING_SIZE faults).
 RING_SIZE = 1 << 16
-# Scheduling priority of the handler thread (needs CAP_SYS_NICE, which the root manager
-# has; elsewhere the thread keeps its priority). Its work is short and a vCPU waits on it.
-HANDLER_NICE = -10
 # Poll timeout while faults wait for a source that answered Retry: short enough that a
 # vCPU does not notice, long enough not to spin a shared core.
 RETRY_INTERVAL_MS = 1
@@ -81,7 +78,7 @@ class _Block:
     __slots__ = ("block", "lo", "hi", "delta", "shift", "fill", "hot", "discarded", "out", "mapped", "base",
                  "zero_kind")
 
-    def __init__(self, block: RamBlock, source: PageSource, page_mv: memoryview) -> None:
+    def __init__(self, block: RamMapping, source: PageSource, page_mv: memoryview) -> None:
         self.block = block
         self.lo = block.hva
         self.hi = block.hva + block.size_bytes
@@ -156,7 +153,6 @@ class FaultHandler:
         self._pending: list[int] = []   # hvas to retry (Retry, EAGAIN)
         self._failed: list[int] = []    # hvas left waiting after an error
         self.last_error: BaseException | None = None
-        self.peer_exited = False
         self._stop_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self._stopping = False
         self._retry_requested = False
@@ -272,8 +268,7 @@ class FaultHandler:
     def _run(self) -> None:
         # A vCPU waits while its fault is served: the handler must win the CPU from the
         # guests that keep the host's cores busy (a wake-up a scheduler slice late is ms).
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), HANDLER_NICE)
+        set_thread_nice(FAULT_HANDLER_NICE)
         try:
             self._loop()
         except BaseException as exc:  # the thread must say why it died
@@ -428,7 +423,6 @@ class FaultHandler:
             return False
         if err == errno.ESRCH:
             # QEMU's mm is gone: the process exited. Nothing left to serve.
-            self.peer_exited = True
             self._stopping = True
             return False
         self._fail(UffdIoctlError(op, err or 0, page, page_size), page)

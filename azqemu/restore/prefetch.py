@@ -17,7 +17,6 @@ present page fails with EEXIST and ``copy`` = -EEXIST, and that page is skipped.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import fcntl
@@ -29,11 +28,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from azqemu.memory.blobdecode import run_at_nice, thread_nice
-from azqemu.restore import uffd as uffd_ops
+from azqemu.host.threads import run_at_nice, thread_nice
 from azqemu.restore import uffd_abi as abi
 from azqemu.restore.errors import PageUnavailable, UffdIoctlError
-from azqemu.restore.export import RamBlock
+from azqemu.restore.export import RamMapping
 from azqemu.restore.source import PageSource, fill_pages
 
 # One chunk (half of the staging buffer): large enough that per-chunk overhead (~0.1 ms of
@@ -101,16 +99,6 @@ def _timed_fill(source: PageSource, offsets: np.ndarray, out: memoryview, ps: in
     return ok, time.perf_counter() - t0
 
 
-def page_runs(page_idxs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted unique page indices -> (run starts, run lengths)."""
-    if len(page_idxs) == 0:
-        return np.empty(0, np.int64), np.empty(0, np.int64)
-    cuts = np.flatnonzero(np.diff(page_idxs) != 1) + 1
-    starts_at = np.concatenate(([0], cuts))
-    lengths = np.diff(np.concatenate((starts_at, [len(page_idxs)])))
-    return page_idxs[starts_at], lengths
-
-
 class Prefetcher:
     """Bulk restore into one uffd. Reuse one instance: it owns the staging buffer (two
     chunks of ``chunk_bytes``; the second is touched only by prefetches of more than one)."""
@@ -162,7 +150,7 @@ class Prefetcher:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def prefetch(self, block: RamBlock, page_idxs: object, source: PageSource) -> PrefetchResult:
+    def prefetch(self, block: RamMapping, page_idxs: object, source: PageSource) -> PrefetchResult:
         """Place pages ``page_idxs`` (indices from the block start) of ``block``."""
         t_start = time.perf_counter()
         idx = np.unique(np.asarray(page_idxs, dtype=np.int64))
@@ -282,41 +270,9 @@ class Prefetcher:
         return copied, present, calls
 
 
-def prefetch(uffd: int, block: RamBlock, page_idxs: object, source: PageSource) -> PrefetchResult:
+def prefetch(uffd: int, block: RamMapping, page_idxs: object, source: PageSource) -> PrefetchResult:
     """One-shot form of :meth:`Prefetcher.prefetch` (allocates a staging buffer)."""
     with Prefetcher(uffd, chunk_bytes=min(CHUNK_BYTES, max(block.page_size,
                                                             len(np.atleast_1d(np.asarray(page_idxs)))
                                                             * block.page_size))) as p:
         return p.prefetch(block, page_idxs, source)
-
-
-
-
-def map_from_file(uffd: int, block: RamBlock, page_idxs: np.ndarray, *, zero: bool = False) -> int:
-    """Map pages of a copy-on-write block from the template's page cache, in runs
-    (UFFDIO_CONTINUE; the zero page over a hole of the template file), or with ``zero``
-    the zero page itself (pages known to be zero). Costs no copy and no memory of the
-    sandbox's own. Pages already mapped are skipped. Returns pages mapped."""
-    idx = np.unique(np.asarray(page_idxs, dtype=np.int64))
-    ps = block.page_size
-    mapped = 0
-    starts, lengths = page_runs(idx)
-    for first, count in zip(starts.tolist(), lengths.tolist(), strict=True):
-        page, end = first, first + count
-        while page < end:
-            hva = block.hva + page * ps
-            try:
-                if zero:
-                    n = uffd_ops.zeropage(uffd, hva, (end - page) * ps) // ps
-                else:
-                    n = uffd_ops.continue_range(uffd, hva, (end - page) * ps) // ps
-                mapped += n
-            except UffdIoctlError as err:
-                if err.errno == errno.EFAULT:      # a hole: nothing in the page cache
-                    with contextlib.suppress(UffdIoctlError):
-                        mapped += uffd_ops.zeropage(uffd, hva, ps) // ps
-                elif err.errno != errno.EEXIST:    # EEXIST: mapped already (touched)
-                    raise
-                n = 1
-            page += max(n, 1)
-    return mapped

@@ -34,9 +34,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from azqemu.pages import PAGE_SIZE
 from azqemu.restore.errors import PageUnavailable
-
-PAGE_SIZE = 4096
 
 
 @runtime_checkable

@@ -6,64 +6,42 @@ than the grace period is compressed (in a single worker, so two compressions nev
 for the two cores of a small host); a ``linux`` sandbox gets its RAM paged out to zram
 once per wait; the ``agentzip-pressure`` ablation ignores phases and compresses the largest
 sandboxes while their memory is over a budget. A tool call never waits for a compression:
-``azq exec`` cancels a running one and resumes the sandbox first (the manager does that).
+``azq exec`` cancels a running one and resumes the sandbox first (the daemon does that).
+What the scheduler does to a sandbox goes through ``actions.SchedActions``: it knows
+nothing of the daemon.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 
-from azqemu.sched.phases import WAIT, PhaseTracker
-from azqemu.sched.policy import DEFAULT_GRACE_S, Policy
-
-if TYPE_CHECKING:
-    from azqemu.daemon.manager import Manager
+from azqemu.host.threads import COMPRESS_NICE, set_thread_nice
+from azqemu.sched.actions import SchedActions, SchedState
+from azqemu.sched.phases import WAIT
 
 log = logging.getLogger(__name__)
 
 TICK_S = 0.1
 HOST_SAMPLE_S = 1.0
-# Compression is background work: on a small host it must not take CPU from the vCPUs of
-# sandboxes running tool calls (nor from the fault handlers, which stay at nice 0).
-COMPRESS_NICE = 10
-
-
-def _lower_priority() -> None:
-    """setpriority(2) on a thread id lowers that thread only (Linux semantics)."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPRESS_NICE)
-    except OSError as exc:
-        log.debug("cannot lower the compression thread's priority: %s", exc)
-
-
-@dataclass
-class SchedState:
-    """What the scheduler knows of one sandbox."""
-
-    policy: Policy
-    grace_s: float = DEFAULT_GRACE_S
-    tracker: PhaseTracker = field(default_factory=PhaseTracker)
-    acted_on_wait_s: float = -1.0      # since_s of the wait already acted on
-    pending: Future[object] | None = None
-    cpu_prev: tuple[float, float] | None = None   # (monotonic, QEMU cpu seconds)
 
 
 class Scheduler:
-    def __init__(self, manager: Manager, tick_s: float = TICK_S) -> None:
-        self.m = manager
+    def __init__(self, actions: SchedActions, tick_s: float = TICK_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.actions = actions
         self.tick_s = tick_s
+        self._clock = clock  # the phase trackers' clock (time.monotonic but in tests)
         self.pressure_budget_bytes: int | None = None
+        # Compression is background work: its worker runs below the vCPUs (host.threads).
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="azq-compress",
-                                          initializer=_lower_priority)
+                                          initializer=functools.partial(set_thread_nice, COMPRESS_NICE))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="azq-scheduler", daemon=True)
         self._last_host_sample = 0.0
@@ -84,16 +62,16 @@ class Scheduler:
                 log.exception("scheduler tick failed")
 
     def tick(self) -> None:
-        now = time.monotonic()
+        now = self._clock()
         sample_host = now - self._last_host_sample >= HOST_SAMPLE_S
         if sample_host:
             self._last_host_sample = now
-        for name, st in list(self.m.sched.items()):
+        for name, st in list(self.actions.sched_states.items()):
             if sample_host:
                 self._sample_cpu(name, st, now)
             ph = st.tracker.current()
             waited = ph.phase == WAIT and now - ph.since_s >= st.grace_s
-            if not waited or st.acted_on_wait_s == ph.since_s or st.pending is not None:
+            if not waited or st.acted_on_wait_s == ph.since_s or self._busy(st):
                 continue
             if st.policy.compress_on_wait:
                 st.acted_on_wait_s = ph.since_s
@@ -101,12 +79,12 @@ class Scheduler:
                                                  self._compress_same_wait, name, st, ph.since_s)
             elif st.policy.linux_reclaim:
                 st.acted_on_wait_s = ph.since_s
-                st.pending = self._worker.submit(self._job, st, f"paging out {name}", self.m.pageout, name)
+                st.pending = self._worker.submit(self._job, st, f"paging out {name}", self.actions.pageout, name)
         if self.pressure_budget_bytes is not None:
             self._pressure()
 
     def _sample_cpu(self, name: str, st: SchedState, now: float) -> None:
-        pid = self.m.qemu_pid(name)
+        pid = self.actions.qemu_pid(name)
         if pid is None:
             return
         try:
@@ -117,6 +95,14 @@ class Scheduler:
         if st.cpu_prev is not None and now > st.cpu_prev[0]:
             st.tracker.host_sample((cpu - st.cpu_prev[1]) / (now - st.cpu_prev[0]))
         st.cpu_prev = (now, cpu)
+
+    @staticmethod
+    def _busy(st: SchedState) -> bool:
+        """Work for this sandbox is queued or running. A done future counts as none: a short
+        job can finish before ``submit`` returns and its future is stored over the ``None``
+        the job left (the worker's first job runs while its thread starts), and the sandbox
+        would then never be acted on again."""
+        return st.pending is not None and not st.pending.done()
 
     @staticmethod
     def _job(st: SchedState, what: str, fn: Callable[..., object], *args: object) -> None:
@@ -132,19 +118,19 @@ class Scheduler:
         """Compress only if the wait that was seen is still the current one."""
         ph = st.tracker.current()
         if ph.phase == WAIT and ph.since_s == wait_since_s:
-            self.m.compress_if_idle(name, st)
+            self.actions.compress_if_idle(name, st)
 
     def _pressure(self) -> None:
         """agentzip-pressure: over budget, compress the largest sandbox, phases ignored."""
         budget = self.pressure_budget_bytes or 0
-        cands = [(name, st) for name, st in self.m.sched.items() if st.policy.pressure]
+        cands = [(name, st) for name, st in list(self.actions.sched_states.items()) if st.policy.pressure]
         if not cands:
             return
-        sizes = {name: self.m.resident_bytes(name) or 0 for name, _ in cands}
+        sizes = {name: self.actions.resident_bytes(name) or 0 for name, _ in cands}
         if sum(sizes.values()) <= budget:
             return
         for name, st in sorted(cands, key=lambda c: -sizes[c[0]]):
-            if st.pending is None and sizes[name] > 0:
+            if not self._busy(st) and sizes[name] > 0:
                 st.pending = self._worker.submit(self._job, st, f"pressure compression of {name}",
-                                                 self.m.compress_and_run_on, name)
+                                                 self.actions.compress_and_run_on, name)
                 return

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -160,6 +161,24 @@ class Host:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def version(self) -> str:
+        """libvirt's library version as 'major.minor.micro'."""
+        with translate_errors():
+            v = self.conn.getLibVersion()
+        return f"{v // 1000000}.{v // 1000 % 1000}.{v % 1000}"
+
+    @classmethod
+    def wait(cls, uri: str, timeout_s: float) -> Host:
+        """Connect, retrying until libvirtd answers (it was just started) or ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return cls(uri)
+            except LibvirtUnavailable:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.2)
 
     def alive(self) -> bool:
         try:

@@ -21,15 +21,10 @@ MAC_PREFIX = "52:54:00"
 QEMU_USER = "libvirt-qemu"
 
 
-@dataclass(frozen=True)
-class Identity:
-    """Everything that makes one domain distinct from its siblings."""
+class _SocketDir:
+    """The sockets of one domain's directory (``vm_dir``): the one place that names them."""
 
-    name: str
-    uuid: str
-    genid: str            # VM generation id: tells the guest it was cloned (reseed RNGs)
-    mac: str
-    vm_dir: Path          # per-domain sockets: QMP, migration, uffd export, agent channels
+    vm_dir: Path
 
     @property
     def qmp_socket(self) -> Path:
@@ -52,6 +47,29 @@ class Identity:
         return self.vm_dir / "azq-agent.sock"
 
 
+@dataclass(frozen=True)
+class Identity(_SocketDir):
+    """Everything that makes one domain distinct from its siblings."""
+
+    name: str
+    uuid: str
+    genid: str            # VM generation id: tells the guest it was cloned (reseed RNGs)
+    mac: str
+    vm_dir: Path          # per-domain sockets: QMP, migration, uffd export, agent channels
+
+
+@dataclass(frozen=True)
+class VmPaths(_SocketDir):
+    """The paths of a domain that exists: the ones its identity gave it when it was made."""
+
+    vm_dir: Path
+
+
+def vm_paths(name: str, cfg: config_mod.Config | None = None) -> VmPaths:
+    """Where the sockets of domain ``name`` are (``<run_dir>/vm/<name>/``)."""
+    return VmPaths((cfg or config_mod.load()).run_dir / "vm" / name)
+
+
 def new_identity(name: str, rng: random.Random | None = None) -> Identity:
     """The clone checklist. Each clone gets:
 
@@ -64,8 +82,8 @@ def new_identity(name: str, rng: random.Random | None = None) -> Identity:
     """
     rng = rng or random.SystemRandom()
     mac = MAC_PREFIX + "".join(f":{rng.randrange(256):02x}" for _ in range(3))
-    vm_dir = config_mod.load().run_dir / "vm" / name
-    return Identity(name=name, uuid=str(uuid.uuid4()), genid=str(uuid.uuid4()), mac=mac, vm_dir=vm_dir)
+    return Identity(name=name, uuid=str(uuid.uuid4()), genid=str(uuid.uuid4()), mac=mac,
+                    vm_dir=vm_paths(name).vm_dir)
 
 
 def prepare_vm_dir(ident: Identity) -> None:
@@ -81,4 +99,4 @@ def prepare_vm_dir(ident: Identity) -> None:
 
 
 def remove_vm_dir(name: str) -> None:
-    shutil.rmtree(config_mod.load().run_dir / "vm" / name, ignore_errors=True)
+    shutil.rmtree(vm_paths(name).vm_dir, ignore_errors=True)

@@ -1,4 +1,4 @@
-"""Guest RAM files: find a QEMU's RAM memfd, copy a template image in, save one out.
+"""Guest RAM files: copy a template image into a clone's RAM, save a template's out.
 
 Guest RAM is a memfd inside QEMU; root reaches it as /proc/PID/fd/N (opening that path
 gives a new file description of the same memfd). Reading a tmpfs/memfd file through mmap
@@ -13,32 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
-from azqemu.config import PAGE_SIZE
 from azqemu.errors import VirtError
-from azqemu.memory.ram import data_extents
-from azqemu.restore.prefetch import page_runs
+from azqemu.pages import PAGE_SIZE, data_extents, page_runs
 
-RAM_BACKEND_ID = "pc.ram"
-# QEMU names the memfd after the backend type ("memory-backend-memfd"), not its id.
-RAM_MEMFD_NAMES = ("memory-backend-memfd", RAM_BACKEND_ID)
 COPY_CHUNK_BYTES = 8 << 20
-
-
-def find_ram_fd(pid: int) -> Path:
-    """The /proc path of QEMU's guest RAM memfd (the domain has exactly one RAM backend)."""
-    fd_dir = Path(f"/proc/{pid}/fd")
-    try:
-        entries = list(fd_dir.iterdir())
-    except OSError as exc:
-        raise VirtError(f"cannot list fds of QEMU pid {pid}: {exc.strerror}") from exc
-    for entry in entries:
-        try:
-            target = os.readlink(entry)
-        except OSError:
-            continue
-        if any(target.startswith(f"/memfd:{n}") for n in RAM_MEMFD_NAMES):
-            return entry
-    raise VirtError(f"QEMU pid {pid} has no guest RAM memfd")
 
 
 def copy_into(src_path: Path, dst_path: Path) -> int:

@@ -59,7 +59,7 @@ def azq_env() -> Iterator[dict[str, str]]:
 
 @pytest.fixture(scope="session")
 def daemon(azq_env: dict[str, str]) -> Iterator[object]:
-    from azqemu import daemonproc
+    from azqemu.daemon import proc as daemonproc
 
     proc = daemonproc.start()
     holder = {"proc": proc}

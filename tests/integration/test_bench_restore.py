@@ -13,9 +13,9 @@ import pytest
 
 from azqemu.bench.restore_bench import CLONE_PREFIX
 from azqemu.daemon.client import Client
-from azqemu.doctor import restore_mode
+from azqemu.host.doctor import restore_mode
 
-pytestmark = pytest.mark.vm
+pytestmark = [pytest.mark.vm, pytest.mark.root, pytest.mark.uffd]
 HOT_MIB = 16
 PAGES_PER_MIB = 256
 

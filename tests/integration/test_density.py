@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 
 from azqemu.bench import density
-from azqemu.bench.linux_config import HostSnapshot
 from azqemu.bench.workload import load
 from azqemu.daemon.client import Client
+from azqemu.host.linuxmm import HostSnapshot
 
-pytestmark = pytest.mark.vm
+# No uffd marker: without userfaultfd the agentzip policies restore eagerly (copy).
+pytestmark = [pytest.mark.vm, pytest.mark.root]
 WORKLOAD = Path(__file__).parent / "data" / "deterministic.yaml"
 POLICIES = ["none", "none-cow", "linux", "agentzip", "agentzip-no-prefetch", "agentzip-no-sibling",
             "agentzip-pressure"]

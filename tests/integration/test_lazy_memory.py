@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from azqemu import daemonproc
+from azqemu.daemon import proc as daemonproc
 from azqemu.daemon.client import Client
-from azqemu.doctor import restore_mode
+from azqemu.host.doctor import restore_mode
 
-pytestmark = pytest.mark.vm
+pytestmark = [pytest.mark.vm, pytest.mark.root, pytest.mark.uffd]
 CHECKER = (Path(__file__).parent / "guest_checker.py").read_text()
 
 

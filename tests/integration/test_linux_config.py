@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from azqemu.bench import hostmem
-from azqemu.bench import linux_config as lc
-from azqemu.bench.linux_config import HostSnapshot, LinuxConfig
+from azqemu.host import linuxmm, memacct, procfs, reclaim
+from azqemu.host.linuxmm import HostSnapshot, LinuxConfig
 
 pytestmark = [
+    pytest.mark.root,
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root"),
-    pytest.mark.skipif(not lc.KSM_DIR.is_dir(), reason="no KSM in this kernel"),
+    pytest.mark.skipif(not memacct.KSM_DIR.is_dir(), reason="no KSM in this kernel"),
     pytest.mark.timeout(300),
 ]
 
@@ -83,7 +83,7 @@ class Child:
         return self.p.stdout.readline().split()
 
     def vma(self, k: int = 0) -> dict[str, int]:
-        return hostmem.read_vma_smaps(self.pid, self.addrs[k], self.addrs[k] + BUF_BYTES)
+        return procfs.read_vma_smaps(self.pid, self.addrs[k], self.addrs[k] + BUF_BYTES)
 
     def close(self) -> None:
         if self.p.poll() is None:
@@ -109,24 +109,24 @@ def linux(host_before: HostSnapshot) -> Iterator[LinuxConfig]:
 
 def test_setup_and_teardown_restore_the_host_exactly(host_before: HostSnapshot) -> None:
     before = HostSnapshot.take()
-    swaps_before = lc.read_swaps()
+    swaps_before = linuxmm.read_swaps()
     with LinuxConfig(zram_disksize_bytes=64 << 20) as cfg:
         during = HostSnapshot.take()
         assert cfg.zram_device is not None and cfg.zram_device not in before.zram
         assert cfg.algorithm == "lzo-rle"
-        swap = next(s for s in lc.read_swaps() if s.name == f"/dev/{cfg.zram_device}")
-        assert swap.size_kib >= 60 << 10 and swap.priority >= lc.ZRAM_SWAP_PRIORITY
+        swap = next(s for s in linuxmm.read_swaps() if s.name == f"/dev/{cfg.zram_device}")
+        assert swap.size_kib >= 60 << 10 and swap.priority >= linuxmm.ZRAM_SWAP_PRIORITY
         assert during.ksm["run"] == "1" and during.ksm["use_zero_pages"] == "1"
-        assert during.ksm["pages_to_scan"] == str(lc.KSM_PAGES_TO_SCAN)
-        assert during.sysctl["swappiness"] == str(lc.SWAPPINESS)
+        assert during.ksm["pages_to_scan"] == str(linuxmm.KSM_PAGES_TO_SCAN)
+        assert during.sysctl["swappiness"] == str(linuxmm.SWAPPINESS)
         assert during.zswap.get("enabled", "N") == "N"
         assert cfg.record_path.exists()
         # Only one configuration at a time.
-        with pytest.raises(lc.HostError, match="another azqemu Linux configuration is active"):
+        with pytest.raises(procfs.HostError, match="another azqemu Linux configuration is active"):
             LinuxConfig().setup()
     after = HostSnapshot.take()
     assert before.diff(after) == []
-    assert lc.read_swaps() == swaps_before
+    assert linuxmm.read_swaps() == swaps_before
     assert not cfg.record_path.exists()
 
 
@@ -135,7 +135,7 @@ def test_recover_after_a_crash(host_before: HostSnapshot, tmp_path: Path) -> Non
     script = textwrap.dedent(f"""
         import os, signal
         from pathlib import Path
-        from azqemu.bench.linux_config import LinuxConfig
+        from azqemu.host.linuxmm import LinuxConfig
         cfg = LinuxConfig(zram_disksize_bytes=32 << 20, record_dir=Path({str(tmp_path)!r}))
         cfg.setup()
         os.kill(os.getpid(), signal.SIGKILL)
@@ -144,7 +144,7 @@ def test_recover_after_a_crash(host_before: HostSnapshot, tmp_path: Path) -> Non
     r = subprocess.run([sys.executable, "-c", script])
     assert r.returncode == -9
     try:
-        assert (tmp_path / lc.RECORD_NAME).exists()
+        assert (tmp_path / linuxmm.RECORD_NAME).exists()
         assert HostSnapshot.take().diff(before) != []
     finally:
         assert LinuxConfig.recover(tmp_path) is True
@@ -157,7 +157,7 @@ def test_sigterm_tears_down(host_before: HostSnapshot, tmp_path: Path) -> None:
     script = textwrap.dedent(f"""
         import sys, time
         from pathlib import Path
-        from azqemu.bench.linux_config import LinuxConfig, signals_raise
+        from azqemu.host.linuxmm import LinuxConfig, signals_raise
         with signals_raise(), LinuxConfig(zram_disksize_bytes=32 << 20, record_dir=Path({str(tmp_path)!r})):
             print("ready", flush=True)
             time.sleep(60)
@@ -174,7 +174,7 @@ def test_sigterm_tears_down(host_before: HostSnapshot, tmp_path: Path) -> None:
             p.kill()
             p.wait()
         LinuxConfig.recover(tmp_path)
-    assert not (tmp_path / lc.RECORD_NAME).exists()
+    assert not (tmp_path / linuxmm.RECORD_NAME).exists()
     assert before.diff(HostSnapshot.take()) == []
 
 
@@ -190,12 +190,12 @@ def test_ksm_merges_identical_private_buffers(linux: LinuxConfig) -> None:
             time.sleep(0.2)
         # Both buffers point at one set of KSM pages: 2 x 8192 merging pages in the process.
         assert merged >= 2 * PAGES * 0.95, merged
-        conv = lc.wait_ksm_converged(timeout_s=60)
+        conv = linuxmm.wait_ksm_converged(timeout_s=60)
         assert conv.converged and conv.full_scans >= 2
         a, b = child.vma(0), child.vma(1)
         assert a["KSM"] >= BUF_BYTES * 0.95 and b["KSM"] >= BUF_BYTES * 0.95
         # Accounting: the two buffers own ~one buffer's worth between them.
-        owned = hostmem.linux_owned_bytes(a, lc.read_ksm(), {}) + hostmem.linux_owned_bytes(b, lc.read_ksm(), {})
+        owned = memacct.linux_owned_bytes(a, memacct.read_ksm(), {}) + memacct.linux_owned_bytes(b, memacct.read_ksm(), {})
         assert owned < BUF_BYTES * 1.3, owned / BUF_BYTES
         # Data intact, and a write breaks sharing only where it writes.
         assert child.ask("check") == [child.expect, child.expect]
@@ -211,7 +211,7 @@ def test_pageout_through_zram_and_back(linux: LinuxConfig) -> None:
         before = child.vma()
         assert before["Rss"] >= BUF_BYTES * 0.99
         zram0 = linux.zram_stat()
-        res = lc.pageout(child.pid, [(child.addrs[0], child.addrs[0] + BUF_BYTES)])
+        res = reclaim.pageout(child.pid, [(child.addrs[0], child.addrs[0] + BUF_BYTES)])
         assert res.advised_bytes == BUF_BYTES
         after = child.vma()
         assert after["Rss"] <= BUF_BYTES * 0.02, after
@@ -222,7 +222,7 @@ def test_pageout_through_zram_and_back(linux: LinuxConfig) -> None:
         # Half of every page is zero: lzo-rle must at least halve it (plus allocator overhead).
         assert zram1["compr_data_size"] - zram0["compr_data_size"] < stored * 0.6
         # The accounting charges the swapped pages at zram's ratio.
-        owned = hostmem.linux_owned_bytes(after, lc.read_ksm(), zram1)
+        owned = memacct.linux_owned_bytes(after, memacct.read_ksm(), zram1)
         assert owned < BUF_BYTES * 0.7
         # Touch it again: every byte comes back.
         assert child.ask("check") == [child.expect]
@@ -234,9 +234,9 @@ def test_pageout_through_zram_and_back(linux: LinuxConfig) -> None:
 def test_find_guest_ram_and_default_pageout(linux: LinuxConfig) -> None:
     child = Child(count=1)
     try:
-        start, end = lc.find_guest_ram(child.pid)
+        start, end = procfs.find_guest_ram(child.pid)
         assert (start, end) == (child.addrs[0], child.addrs[0] + BUF_BYTES)
-        res = lc.pageout(child.pid)              # finds the range itself
+        res = reclaim.pageout(child.pid)              # finds the range itself
         assert res.advised_bytes == BUF_BYTES and res.rss_after_bytes < res.rss_before_bytes - BUF_BYTES // 2
         assert child.ask("check") == [child.expect]
     finally:
@@ -254,12 +254,12 @@ def test_cgroup_reclaim(linux: LinuxConfig) -> None:
         # The child joins the cgroup before it allocates: v1 charges stay where they were made.
         child = Child(count=1, preexec=lambda: procs.write_text(str(os.getpid())))
         try:
-            cg = lc.memory_cgroup_of(child.pid)
-            assert cg == lc.MemoryCgroup(1, cg_dir)
+            cg = reclaim.memory_cgroup_of(child.pid)
+            assert cg == reclaim.MemoryCgroup(1, cg_dir)
             usage = int((cg_dir / "memory.usage_in_bytes").read_text())
             assert usage >= BUF_BYTES
             limit_before = (cg_dir / "memory.limit_in_bytes").read_text()
-            dropped = lc.cgroup_reclaim(cg, 16 << 20)
+            dropped = reclaim.cgroup_reclaim(cg, 16 << 20)
             assert dropped >= 8 << 20, dropped
             assert (cg_dir / "memory.limit_in_bytes").read_text() == limit_before
             assert child.ask("check") == [child.expect]
@@ -275,6 +275,6 @@ def test_cgroup_reclaim(linux: LinuxConfig) -> None:
 
 
 def test_process_madvise_abi() -> None:
-    assert os.uname().machine in lc.SYS_PROCESS_MADVISE
-    assert (lc.MADV_COLD, lc.MADV_PAGEOUT, lc.MADV_MERGEABLE) == (20, 21, 12)
+    assert os.uname().machine in reclaim.SYS_PROCESS_MADVISE
+    assert (reclaim.MADV_COLD, reclaim.MADV_PAGEOUT, reclaim.MADV_MERGEABLE) == (20, 21, 12)
     assert hashlib  # (keeps the import for the child's protocol documentation)

@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 
 from azqemu import config as config_mod
-from azqemu import daemonproc
+from azqemu.daemon import proc as daemonproc
 from azqemu.daemon.client import Client
 
-pytestmark = pytest.mark.vm
+# Every test needs root (the azq_env fixture); all but the last start guests.
+pytestmark = pytest.mark.root
 
 
 def _domains() -> set[str]:
@@ -24,6 +25,7 @@ def _domains() -> set[str]:
         conn.close()
 
 
+@pytest.mark.vm
 def test_clone_four_exec_isolation_and_destroy(template: str, azq) -> None:
     r = azq("clone", template, "-n", "4", "--name-prefix", "iso-", check=True)
     names = [f"iso-{i}" for i in range(4)]
@@ -55,6 +57,7 @@ def test_clone_four_exec_isolation_and_destroy(template: str, azq) -> None:
         assert not (cfg.sandboxes_dir / f"{n}.json").exists()
 
 
+@pytest.mark.vm
 def test_daemon_restart_keeps_sandboxes(template: str, daemon: dict, azq) -> None:
     azq("clone", template, "-n", "1", "--name-prefix", "keep-", check=True)
     azq("exec", "keep-0", "--", "/bin/sh", "-c", "echo kept > /tmp/mark", check=True)
@@ -66,6 +69,7 @@ def test_daemon_restart_keeps_sandboxes(template: str, daemon: dict, azq) -> Non
     azq("destroy", "keep-0", check=True)
 
 
+@pytest.mark.vm
 def test_bad_inputs_are_one_line_and_leave_nothing(template: str, azq) -> None:
     def one_line(r, code: int, text: str) -> None:
         assert r.returncode == code, (r.returncode, r.stderr)
@@ -92,6 +96,7 @@ def test_bad_inputs_are_one_line_and_leave_nothing(template: str, azq) -> None:
     assert not (cfg.sandboxes_dir / "dup-0.json").exists()
 
 
+@pytest.mark.vm
 def test_out_of_disk_space_leaves_no_template(daemon: dict, azq, tmp_path: Path) -> None:
     """A state directory on a tiny tmpfs: template create fails cleanly with DiskFull."""
     import subprocess

@@ -34,10 +34,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from azqemu.memory.cowscan import private_pages, read_private_pages
+from azqemu.host.pagemap import private_pages, read_private_pages
 from azqemu.restore import uffd_abi as abi
 from azqemu.restore.errors import ExportRefused, ExportUnavailable
-from azqemu.restore.export import PROTO, RamBlock, UffdExport, UffdHandle
+from azqemu.restore.export import PROTO, RamMapping, UffdExport, UffdHandle
 from azqemu.restore.handler import FaultHandler
 from azqemu.restore.prefetch import Prefetcher
 from azqemu.restore.source import CompositeSource, MappedSource, StoreSource, TemplateSource
@@ -64,7 +64,8 @@ def _skip_reason() -> str | None:
     return None
 
 
-pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
+pytestmark = [pytest.mark.root, pytest.mark.uffd,
+              pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]
 
 
 @dataclasses.dataclass
@@ -201,7 +202,7 @@ class ArrayStore:
         out[:] = self._mv[page_idx * PS:(page_idx + 1) * PS]
 
 
-def save_and_punch(handle: UffdHandle, block: RamBlock, pages: np.ndarray, store: ArrayStore) -> None:
+def save_and_punch(handle: UffdHandle, block: RamMapping, pages: np.ndarray, store: ArrayStore) -> None:
     """The compressor's part, run while the guest is quiescent: save, then punch."""
     fd = handle.ram_fd(block)
     starts = pages[np.concatenate(([True], np.diff(pages) != 1))]
@@ -246,7 +247,7 @@ def test_handshake_gives_uffd_ram_fd_and_layout(guest: Guest) -> None:
         assert h.features & abi.UFFD_FEATURE_MISSING_SHMEM
         assert h.features & abi.UFFD_FEATURE_EVENT_REMOVE
         assert h.features & h.features_offered == h.features
-        assert h.blocks == [RamBlock(guest.hva, guest.size, 0, PS, "/memfd:azq-guest-ram (deleted)", 0)]
+        assert h.blocks == [RamMapping(guest.hva, guest.size, 0, PS, "/memfd:azq-guest-ram (deleted)", 0)]
         assert len(h.ram_fds) == 1 and os.fstat(h.ram_fds[0]).st_size == guest.size
         with open(f"/proc/{guest.pid}/mem", "rb") as mem:  # the fd really backs the mapping
             mem.seek(guest.hva + 5 * PS)
@@ -265,7 +266,7 @@ def test_dev_shm_backend(built: Built) -> None:
     g = Guest(built, 8, path)
     try:
         with UffdExport.connect(g.socket_path, 5) as h:
-            assert h.blocks == [RamBlock(g.hva, g.size, 0, PS, path, 0)]
+            assert h.blocks == [RamMapping(g.hva, g.size, 0, PS, path, 0)]
             serve_rounds(g, h, rounds=1, seed=3)
     finally:
         g.close()
@@ -527,6 +528,7 @@ def qmp(sock: socket.socket, command: str, **arguments: object) -> object:
             assert "error" not in reply, reply
 
 
+@pytest.mark.vm  # a real QEMU (TCG, no libvirtd, no guest image)
 @pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None, reason="no qemu-system-x86_64")
 def test_inside_qemu_as_unprivileged_user_with_seccomp(built: Built) -> None:
     """The library inside qemu-system-x86_64 (TCG, paused, memfd RAM, libvirt's -sandbox
@@ -615,13 +617,13 @@ def manager_main(argv: list[str]) -> int:
 
 def start_manager(guest: Guest, image: str, stall_after: int) -> subprocess.Popen[str]:
     """A manager process: this file's stalling one, or (stall_after < 0) the standalone
-    server ``python -m azqemu.restore.serve``."""
+    server ``python -m tests.support.uffd_serve``."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     if stall_after >= 0:
         argv = [sys.executable, __file__, "--manager", guest.socket_path, image, str(stall_after)]
         expect = "SERVING created=0"
     else:
-        argv = [sys.executable, "-m", "azqemu.restore.serve", "--socket", guest.socket_path, "--image", image]
+        argv = [sys.executable, "-m", "tests.support.uffd_serve", "--socket", guest.socket_path, "--image", image]
         expect = f"SERVING pid={guest.pid} uffd_created=0 blocks=1"
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout is not None
@@ -653,7 +655,7 @@ def test_standalone_server_serves_and_stops_on_sigterm(guest: Guest, built: Buil
         b = setup.blocks[0]
         with open(image, "wb") as f:
             f.write(os.pread(setup.ram_fd(b), b.size_bytes, b.offset))
-    proc = subprocess.Popen([sys.executable, "-m", "azqemu.restore.serve", "--socket", guest.socket_path,
+    proc = subprocess.Popen([sys.executable, "-m", "tests.support.uffd_serve", "--socket", guest.socket_path,
                              "--image", image, "--register"], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None

@@ -34,9 +34,9 @@ import numpy as np
 from azqemu.memory.analyze import analyze_images
 from azqemu.memory.kinds import PAGE_SIZE, Kind
 from azqemu.memory.store import PageStore
-from azqemu.memory.synthetic import Corpus, make_set
 from azqemu.memory.template import TemplateImage
 from azqemu.memory.zstdlib import available_backends
+from tests.support.synthetic import Corpus, make_set
 
 MIB = 1 << 20
 

@@ -1,6 +1,7 @@
 """Restore figures: fault service time, the faulting thread's stall, prefetch throughput.
 
-Prints figures, asserts nothing. Uses the harness of tests/integration/test_uffd_export.py
+Prints figures and asserts no speed target; a run whose guest saw wrong data fails (the
+benchmark did not measure what it claims). Uses the harness of tests/integration/test_uffd_export.py
 (an unprivileged stand-in QEMU with libazq_uffd.so preloaded, memfd RAM) and the real
 azqemu.restore handler and prefetcher in this process. Run:
 
@@ -30,7 +31,8 @@ from azqemu.restore.handler import FaultHandler  # noqa: E402
 from azqemu.restore.prefetch import Prefetcher  # noqa: E402
 from azqemu.restore.source import StoreSource, TemplateSource  # noqa: E402
 
-pytestmark = pytest.mark.skipif(harness._skip_reason() is not None, reason=str(harness._skip_reason()))
+pytestmark = [pytest.mark.root, pytest.mark.uffd,
+              pytest.mark.skipif(harness._skip_reason() is not None, reason=str(harness._skip_reason()))]
 
 PS = 4096
 GUEST_MIB = 128
@@ -113,6 +115,7 @@ def test_fault_service_and_stall(big_guest, built, source_kind: str, verifiers: 
         "guest_pass_s": round(done["elapsed_ms"] / 1e3, 3),
         "errors": done["errors"],
     })
+    assert done["errors"] == 0 and s.errors == 0, (done, s)
 
 
 @pytest.mark.parametrize("big_guest", [2 * HOT_MIB + 8], indirect=True)
@@ -155,3 +158,4 @@ def test_prefetch_hot_set(big_guest, built, layout: str, source_kind: str) -> No
         "faults_after_prefetch": faults, "faults_without_prefetch": b.page_count,
         "errors": done["errors"],
     })
+    assert done["errors"] == 0, done

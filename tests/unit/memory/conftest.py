@@ -12,8 +12,8 @@ import pytest
 
 from azqemu.memory.kinds import PAGE_SIZE
 from azqemu.memory.store import PageStore
-from azqemu.memory.synthetic import Corpus, make_set
 from azqemu.memory.template import TemplateImage
+from tests.support.synthetic import Corpus, make_set
 
 SMALL_ARENA = 1 << 20
 

@@ -64,7 +64,7 @@ def test_cli_json_and_table(images) -> None:
     from azqemu.cli import cli
     t, paths = images
     runner = CliRunner()
-    res = runner.invoke(cli, ["mem", "analyze", "--template", t, *paths, "--json", "--domain", "tenant1"])
+    res = runner.invoke(cli, ["mem", "analyze", "--template", t, *paths, "--json", "--sharing-domain", "tenant1"])
     assert res.exit_code == 0, res.output
     r = json.loads(res.output)
     assert r["azqemu"]["ratio"] > 1 and r["linux_model"]["compressor"] == "lz4"

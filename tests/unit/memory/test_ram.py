@@ -10,7 +10,7 @@ import pytest
 from azqemu.errors import ConfigError
 from azqemu.memory.kinds import PAGE_SIZE
 from azqemu.memory.ram import (
-    RamBlock,
+    GuestRamRange,
     RamLayout,
     data_extents,
     read_resident_pages,
@@ -50,9 +50,9 @@ def test_q35_large_ram_splits_around_the_hole() -> None:
 
 def test_overlapping_blocks_refused() -> None:
     with pytest.raises(ConfigError):
-        RamLayout((RamBlock("a", 0, 8192, 0), RamBlock("b", 4096, 8192, 1 << 20)))
+        RamLayout((GuestRamRange("a", 0, 8192, 0), GuestRamRange("b", 4096, 8192, 1 << 20)))
     with pytest.raises(ConfigError):
-        RamBlock("c", 100, 4096, 0)
+        GuestRamRange("c", 100, 4096, 0)
 
 
 def _sparse(tmp_path, idx: list[int], n_pages: int = 64) -> tuple[str, np.ndarray]:
@@ -100,7 +100,7 @@ def test_read_through_proc_fd_of_a_memfd() -> None:
 
 def test_layout_clips_reads(store_dir) -> None:
     path, pages = _sparse(store_dir, [0, 5, 9])
-    lay = RamLayout((RamBlock("low", 0, 4 * PAGE_SIZE, 0), RamBlock("high", 8 * PAGE_SIZE, 4 * PAGE_SIZE, 1 << 32)))
+    lay = RamLayout((GuestRamRange("low", 0, 4 * PAGE_SIZE, 0), GuestRamRange("high", 8 * PAGE_SIZE, 4 * PAGE_SIZE, 1 << 32)))
     idx, got = read_resident_pages(path, lay)
     np.testing.assert_array_equal(idx, [0, 9])
     np.testing.assert_array_equal(got, pages[[0, 2]])

@@ -13,7 +13,7 @@ import threading
 import pytest
 
 from azqemu.restore.errors import ExportProtocolError, ExportRefused, ExportUnavailable
-from azqemu.restore.export import RamBlock, UffdExport, parse_reply
+from azqemu.restore.export import RamMapping, UffdExport, parse_reply
 
 GOOD = (b"AZQ1 OK\npid 42\nuffd_created 1\nuffd_fd_in_peer 9\nuffd_features 0x138\n"
         b"uffd_features_offered 0x1ffff\nuffd_ioctls 0x8000000000000003\nfds 2\n"
@@ -27,8 +27,8 @@ def test_parse_good_reply() -> None:
     assert r["pid"] == 42 and r["uffd_created"] == 1 and r["uffd_fd_in_peer"] == 9
     assert r["uffd_features"] == 0x138 and r["uffd_features_offered"] == 0x1FFFF
     assert r["blocks"] == [
-        RamBlock(0x7F0000000000, 512 << 20, 0, 4096, "/memfd:memory-backend-memfd (deleted)", 0),
-        RamBlock(0x7F1000000000, 2 << 20, 512 << 20, 4096, "/memfd:memory-backend-memfd (deleted)", 0),
+        RamMapping(0x7F0000000000, 512 << 20, 0, 4096, "/memfd:memory-backend-memfd (deleted)", 0),
+        RamMapping(0x7F1000000000, 2 << 20, 512 << 20, 4096, "/memfd:memory-backend-memfd (deleted)", 0),
     ]
     b = r["blocks"][1]
     assert b.page_count == 512 and b.contains(0x7F1000000000) and not b.contains(b.end_hva)

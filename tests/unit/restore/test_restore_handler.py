@@ -23,10 +23,14 @@ import pytest
 from azqemu.restore import uffd
 from azqemu.restore import uffd_abi as abi
 from azqemu.restore.errors import PageUnavailable, UffdIoctlError
-from azqemu.restore.export import RamBlock, UffdHandle
+from azqemu.restore.export import RamMapping, UffdHandle
 from azqemu.restore.handler import FaultHandler
-from azqemu.restore.prefetch import Prefetcher, map_from_file, page_runs, prefetch
+from azqemu.restore.mapback import map_from_file
+from azqemu.restore.prefetch import Prefetcher, prefetch
 from azqemu.restore.source import CompositeSource, MappedSource, StoreSource, ZeroSource
+
+# Every test here makes a real uffd (skipped where the kernel refuses one).
+pytestmark = pytest.mark.uffd
 
 PS = 4096
 PAGES = 256
@@ -83,7 +87,7 @@ class Ram:
         self.addr = ctypes.addressof(self._pin)
         for i in range(pages):
             self.map[i * PS:(i + 1) * PS] = pattern(i)
-        self.block = RamBlock(self.addr, self.size, 0, PS, "azq-unit-ram", 0)
+        self.block = RamMapping(self.addr, self.size, 0, PS, "azq-unit-ram", 0)
         self.handle = UffdHandle(uffd=make_uffd(), ram_fds=[os.dup(self.memfd)], blocks=[self.block])
         self.store = Store()
 
@@ -338,13 +342,6 @@ def test_prefetch_into_an_unregistered_range_fails(ram: Ram) -> None:
     assert exc.value.op == "UFFDIO_COPY" and exc.value.errno == 2  # ENOENT: not registered
 
 
-def test_page_runs() -> None:
-    starts, lengths = page_runs(np.array([1, 2, 3, 7, 9, 10]))
-    assert starts.tolist() == [1, 7, 9] and lengths.tolist() == [3, 1, 2]
-    starts, lengths = page_runs(np.array([], dtype=np.int64))
-    assert len(starts) == 0
-
-
 def test_register_outside_any_mapping_fails(ram: Ram) -> None:
     with pytest.raises(UffdIoctlError) as exc:
         ram.handle.register(0x1000, PS)  # page 1 is never mapped
@@ -400,7 +397,7 @@ class CowRam:
                              prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self._pin = ctypes.c_char.from_buffer(self.map)
         self.addr = ctypes.addressof(self._pin)
-        self.block = RamBlock(self.addr, self.size, 0, PS, self.path, -1, private=True)
+        self.block = RamMapping(self.addr, self.size, 0, PS, self.path, -1, private=True)
         fd = make_uffd(abi.UFFD_FEATURE_MISSING_SHMEM | abi.UFFD_FEATURE_MINOR_SHMEM, need_dev=True)
         self.handle = UffdHandle(uffd=fd, ram_fds=[], blocks=[self.block],
                                  features=abi.UFFD_FEATURE_MISSING_SHMEM | abi.UFFD_FEATURE_MINOR_SHMEM)
@@ -421,6 +418,7 @@ class CowRam:
         os.unlink(self.path)
 
 
+@pytest.mark.root  # MINOR_SHMEM needs a uffd from /dev/userfaultfd
 def test_copy_on_write_pages_come_back_by_copy_continue_and_zeropage() -> None:
     """After a DISCARD (MADV_DONTNEED of the private mapping, range registered MISSING+MINOR)
     a stored page comes back by UFFDIO_COPY with the guest's bytes, a template page by

@@ -1,0 +1,165 @@
+"""Accounting: what the host spends on each sandbox (DESIGN.md, benchmark definitions).
+
+Resident bytes (guest RAM the host holds for one sandbox alone), stored bytes (its part of
+the page store), owned bytes (both, with its share of what is shared) and QEMU's own memory
+apart; ``azq list``, ``azq dominfo``, the scheduler's pressure ablation and the density
+benchmark (``owned``) read them here. Reads of the host go through ``azqemu.host``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict
+from typing import Any
+
+import psutil
+
+from azqemu.daemon.memsvc import MemoryService
+from azqemu.daemon.registry import Registry
+from azqemu.errors import AzqemuError, DomainNotFound
+from azqemu.host import memacct, procfs
+from azqemu.virt.clones import SandboxRecord
+from azqemu.virt.host import Domain
+
+# Reading a process's smaps walks all its mappings (~2 ms): QEMU's own memory is read again
+# only this often per sandbox, not at every sample of the process that serves page faults.
+QEMU_OWN_REFRESH_S = 10.0
+
+
+class Accounting:
+    def __init__(self, registry: Registry, memory: MemoryService) -> None:
+        self.reg = registry
+        self.memory = memory
+        self._qemu_own_cache: dict[str, tuple[int, float, int]] = {}
+
+    def qemu_pid(self, name: str) -> int | None:
+        try:
+            return self.reg.host.get_domain(name).qemu_pid()
+        except AzqemuError:
+            return None
+
+    def resident_bytes(self, name: str) -> int | None:
+        """Guest RAM the host holds for ``name`` alone (None: no such sandbox running)."""
+        try:
+            rec = self.reg.record(name)
+            return self.domain_resident_bytes(self.reg.host.get_domain(name), rec.ram_mode)
+        except AzqemuError:
+            return None
+
+    def domain_resident_bytes(self, dom: Domain, ram_mode: str) -> int | None:
+        """Guest RAM the host holds for this sandbox alone: the memfd's allocated pages, or
+        for a copy-on-write clone the anonymous (copied) pages of its RAM mapping."""
+        pid = dom.qemu_pid()
+        if pid is None:
+            return None
+        try:
+            return self.ram_resident_bytes(pid, ram_mode)
+        except Exception:  # noqa: BLE001 - a domain stopping while listed
+            return None
+
+    @staticmethod
+    def ram_resident_bytes(pid: int, ram_mode: str) -> int:
+        """The host read behind ``domain_resident_bytes`` (procfs; raises when QEMU is gone)."""
+        if ram_mode == "cow":
+            start, end = procfs.find_guest_ram(pid, backing="ram.img")
+            return procfs.read_vma_smaps(pid, start, end).get("Anonymous", 0)
+        return os.stat(procfs.find_ram_fd(pid)).st_blocks * 512
+
+    def describe(self, rec: SandboxRecord) -> dict[str, Any]:
+        """One row of ``azq list``: the record, the domain's state and the memory it holds."""
+        d = asdict(rec)
+        try:
+            dom = self.reg.host.get_domain(rec.name)
+            d["state"] = dom.state()
+            d["qemu_pid"] = dom.qemu_pid()
+            d["resident_bytes"] = self.domain_resident_bytes(dom, rec.ram_mode)
+        except DomainNotFound:
+            d.update(state="gone", qemu_pid=None, resident_bytes=None)
+        mem = self.memory.get(rec.name)
+        d["stored_bytes"] = mem.stored_bytes() if mem is not None else 0
+        d["compressed"] = bool(mem is not None and mem.compressed)
+        return d
+
+    def dominfo(self, name: str) -> dict[str, Any]:
+        """``describe`` plus the template's machine (memory, vCPUs, machine type, accelerator)."""
+        rec = self.reg.record(name)
+        d = self.describe(rec)
+        templates = self.reg.templates
+        tmpl = templates.get(rec.template) if templates.exists(rec.template) else None
+        if tmpl:
+            d.update(mem_mib=tmpl.mem_mib, vcpus=tmpl.vcpus, machine=tmpl.machine, accel=tmpl.accel)
+        return d
+
+    def owned(self, name: str, store_overhead: float = 1.0) -> dict[str, Any]:
+        """What the host spends on this sandbox alone (DESIGN.md, benchmark definitions).
+
+        memfd clones (none, agentzip*): the RAM memfd's allocated pages plus the sandbox's
+        bytes in the page store (private encoded pages, its share of shared blobs, its index),
+        times ``store_overhead`` (the arenas' dead bytes, shared out pro rata).
+        Copy-on-write clones (none-cow, linux): the private anonymous pages of the RAM mapping,
+        minus what KSM merged plus the sandbox's share of merged pages, plus its share of
+        zram's memory for what was swapped out. Template pages only mapped are the template's.
+        QEMU's own memory (process PSS minus guest RAM) is reported apart.
+        """
+        rec = self.reg.record(name)
+        pid = self.qemu_pid(name)
+        out: dict[str, Any] = {"name": name, "policy": rec.policy, "ram_mode": rec.ram_mode}
+        if pid is None:
+            return out | {"owned_bytes": 0, "resident_bytes": 0, "stored_bytes": 0, "qemu_own_bytes": 0}
+        mem = self.memory.get(name)
+        vma: dict[str, int] | None = None
+        if rec.ram_mode == "cow":
+            start, end = procfs.find_guest_ram(pid, backing="ram.img")
+            vma = procfs.read_vma_smaps(pid, start, end)
+            owned: float = memacct.linux_owned_bytes(vma, memacct.read_ksm(), memacct.read_zram_total())
+            resident = vma.get("Anonymous", 0)
+            stored: float = owned - max(0, resident - vma.get("KSM", 0))
+            if mem is not None:  # compressed by azqemu: its pages in the store too
+                in_store = mem.stored_bytes() * store_overhead
+                stored += in_store
+                owned += in_store
+        else:
+            # fstat of the memfd and the store's books: cheap enough to sample often.
+            resident = self.domain_resident_bytes(self.reg.host.get_domain(name), rec.ram_mode) or 0
+            stored = mem.stored_bytes() * store_overhead if mem is not None else 0.0
+            owned = resident + stored
+        return out | {"owned_bytes": int(owned), "resident_bytes": int(resident), "stored_bytes": int(stored),
+                      "qemu_own_bytes": self.qemu_own_bytes(name, pid, rec.ram_mode, vma),
+                      "compress_s_total": mem.compress_s_total if mem else 0.0,
+                      "restore_s_total": mem.restore_s_total if mem else 0.0}
+
+    def qemu_own_bytes(self, name: str, pid: int, ram_mode: str, vma: dict[str, int] | None) -> int:
+        """QEMU's memory minus guest RAM, refreshed every QEMU_OWN_REFRESH_S."""
+        now = time.monotonic()
+        cached = self._qemu_own_cache.get(name)
+        if cached is not None and cached[0] == pid and now - cached[1] < QEMU_OWN_REFRESH_S:
+            return cached[2]
+        if vma is None:
+            start, end = procfs.find_guest_ram(pid, backing="ram.img" if ram_mode == "cow" else "memfd:")
+            vma = procfs.read_vma_smaps(pid, start, end)
+        value = memacct.qemu_own_bytes(procfs.read_smaps_rollup(pid), vma)
+        self._qemu_own_cache[name] = (pid, now, value)
+        return value
+
+    def owned_all(self, names: list[str] | None = None) -> dict[str, Any]:
+        """Owned bytes of sandboxes (all by default), the store's total and the manager's RSS."""
+        names = names if names is not None else [r.name for r in self.reg.sandboxes.list()]
+        # The store's arenas as tmpfs holds them (dead bytes not yet punched or compacted
+        # included): host memory. Those dead bytes are nobody's, so every sandbox's store
+        # bytes carry their share of them (pro rata): owned figures hide nothing.
+        store_bytes, store_live, overhead = 0, 0, 1.0
+        store = self.memory.opened_store()
+        if store is not None:
+            tb = store.total_bytes()
+            store_bytes, store_live = int(tb.arena_allocated_bytes), int(tb.arena_live_bytes)
+            dead = max(0, tb.arena_allocated_bytes - tb.arena_live_bytes)
+            overhead = 1.0 + dead / tb.total_bytes if tb.total_bytes else 1.0
+        rows = {}
+        for n in names:
+            try:
+                rows[n] = self.owned(n, store_overhead=overhead)
+            except AzqemuError as exc:
+                rows[n] = {"name": n, "error": str(exc)}
+        return {"sandboxes": rows, "store_bytes": store_bytes, "store_live_bytes": store_live,
+                "manager_rss_bytes": psutil.Process().memory_info().rss}

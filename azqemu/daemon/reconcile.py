@@ -1,0 +1,75 @@
+"""Reconcile at start: make the daemon's records agree with libvirt's domains.
+
+libvirt is the truth about which sandboxes run. A manager that starts (again) drops the
+records of domains that vanished, gives running sandboxes without a record one back from
+their domain metadata ("adopted", policy ``manual``), removes half-made templates and the
+build domains of a manager that died, and takes the memory of lazy clones and of sandboxes
+with pages in the store back, so a restarted daemon lists and serves the same sandboxes.
+Domains of another manager (another state directory on the same libvirtd) are left alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+from azqemu.daemon.memsvc import MemoryService
+from azqemu.daemon.registry import Registry
+from azqemu.errors import AzqemuError
+from azqemu.sched import policy as policy_mod
+from azqemu.sched.actions import SchedState
+from azqemu.virt.clones import DEFAULT_SHARING_DOMAIN, SandboxRecord
+from azqemu.virt.host import Domain
+from azqemu.virt.identity import remove_vm_dir
+
+log = logging.getLogger(__name__)
+
+
+def reconcile(reg: Registry, memory: MemoryService) -> dict[str, list[str]]:
+    """Make records agree with libvirt; returns what changed (kept, dropped, adopted, removed)."""
+    report: dict[str, list[str]] = {"kept": [], "dropped": [], "adopted": [], "removed": []}
+    reg.templates.remove_stale_builds()
+    state_dir = str(reg.cfg.state_dir)
+    running: dict[str, tuple[Domain, dict[str, str]]] = {}
+    for dom in reg.host.domains():
+        meta = dom.metadata()
+        if meta.get("state-dir", state_dir) != state_dir:
+            continue  # another manager's sandbox (another state directory)
+        if meta.get("role") == "template-build":
+            # A template build whose manager died: its work dir is gone, so is its use.
+            with contextlib.suppress(Exception):
+                dom.destroy()
+            remove_vm_dir(dom.name)
+            report["removed"].append(dom.name)
+        elif meta.get("role") == "sandbox":
+            running[dom.name] = (dom, meta)
+    for rec in reg.sandboxes.list():
+        if rec.name in running:
+            report["kept"].append(rec.name)
+        else:
+            reg.sandboxes.remove(rec.name)
+            remove_vm_dir(rec.name)
+            report["dropped"].append(rec.name)
+    for name, (dom, meta) in running.items():
+        if meta.get("ram-mode") == "lazy" or memory.has_stored(name):
+            try:
+                memory.attach(name, meta.get("sharing-domain", DEFAULT_SHARING_DOMAIN),
+                              reg.templates.get(meta.get("template", "")),
+                              lazy_clone=meta.get("ram-mode") == "lazy")
+            except AzqemuError as exc:
+                log.error("cannot reattach the memory of %s: %s", name, exc)
+        if reg.sandboxes.path(name).exists():
+            rec = reg.sandboxes.get(name)
+            reg.sched[name] = SchedState(policy_mod.get(rec.policy), grace_s=rec.grace_s)
+            if dom.state() == "paused" and memory.compressed(name):
+                reg.paused_by_azq.add(name)
+        else:
+            reg.sched[name] = SchedState(policy_mod.get("manual"))
+            reg.sandboxes.save(SandboxRecord(
+                name=name, template=meta.get("template", "?"),
+                sharing_domain=meta.get("sharing-domain", DEFAULT_SHARING_DOMAIN),
+                ram_mode=meta.get("ram-mode", "eager"), uuid=dom.uuid, created_at=time.time()))
+            report["adopted"].append(name)
+    log.info("reconciled with libvirt: %s", report)
+    return report

@@ -1,0 +1,410 @@
+"""A sandbox's guest RAM under azqemu's control: fault serving, compress, resume.
+
+One ``SandboxMemory`` per sandbox whose RAM the manager answers for (lazy clones from their
+start, eager clones from their first compression). It holds the userfaultfd handed over by
+the export library in QEMU (qemu-patches/), a fault handler thread, and a per-page source
+map: pages stored in the page store come from the store, untouched pages of a lazy clone
+from the template image, and pages nobody saved are zero.
+
+Compress (vCPUs paused): scan the resident pages of the RAM memfd (data extents only),
+encode them into the store, point their sources at the store, record the hot set (pages
+faulted in since the last resume), and punch the stored pages out of the memfd. Resume:
+put the hot set back with UFFDIO_COPY in bulk, continue the vCPUs, serve the rest on first
+touch. A resume that arrives while a compression runs cancels it between two steps; pages
+encoded but not yet punched are simply dropped from the store (their resident copy is the
+truth).
+
+Copy-on-write clones (a MAP_PRIVATE mapping of the template's RAM image, ``RamMapping.private``)
+keep everything the guest only read in the template's page cache, shared. Compress reads
+the pages the guest wrote (anonymous copies, told apart through /proc/PID/pagemap), encodes
+them, registers the range in MISSING+MINOR mode and has QEMU drop the copies
+(MADV_DONTNEED, the export's DISCARD). Every page not in the store is then
+mapped again at once, from the template's page cache (UFFDIO_CONTINUE) or to the zero page
+(written pages that came out equal to the template's or zero, and at the first compression
+everything the guest had not touched yet): no copy, no memory of the sandbox's own, and
+the guest faults to the manager only for pages the store holds. Resume copies the hot ones
+back.
+
+Known race, accepted: with the vCPUs paused, QEMU's device threads could still write guest
+RAM (DMA of a virtio device the host feeds while paused) between the scan and the punch of
+a page. azqemu's guests have no network traffic and only the agent channels, which the
+manager does not use while a sandbox is compressed; a page written in that window would
+be lost. A real fix is QEMU's dirty bitmap around the punch (a later QEMU patch).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from azqemu.errors import RestoreError
+from azqemu.host.pagemap import private_pages, read_private_pages, unmapped_pages
+from azqemu.memory.kinds import Kind
+from azqemu.memory.ram import read_resident_pages
+from azqemu.memory.store import PageStore
+from azqemu.memory.template import TemplateImage
+from azqemu.pages import PAGE_SIZE, page_runs
+from azqemu.restore.export import RamMapping, UffdExport, UffdHandle
+from azqemu.restore.handler import FaultHandler
+from azqemu.restore.mapback import map_from_file
+from azqemu.restore.prefetch import Prefetcher
+from azqemu.restore.source import (
+    CompositeSource,
+    MappedSource,
+    PageSource,
+    StoreSource,
+    TemplateSource,
+    ZeroSource,
+)
+
+log = logging.getLogger(__name__)
+
+# QEMU creates the export socket when its constructor runs; a clone asks right after start.
+EXPORT_CONNECT_TIMEOUT_S = 10.0
+
+
+class CompressCancelled(RestoreError):
+    def __init__(self, name: str, done: int = 0) -> None:
+        super().__init__(f"compression of {name!r} cancelled by a resume")
+        self.done = done  # stored pages already out of guest RAM
+
+
+@dataclass
+class CompressStats:
+    resident_pages: int = 0
+    stored_pages: int = 0
+    raw_pages: int = 0
+    pages_by_kind: dict[str, int] = field(default_factory=dict)
+    bytes_by_kind: dict[str, int] = field(default_factory=dict)
+    hot_pages: int = 0
+    mapped_pages: int = 0      # copy-on-write: pages mapped from the template or to the zero page
+    scan_s: float = 0.0
+    encode_s: float = 0.0
+    punch_s: float = 0.0
+    total_s: float = 0.0
+    cancelled: bool = False
+
+
+@dataclass
+class ResumeStats:
+    prefetched_pages: int = 0
+    prefetch_s: float = 0.0
+    prefetch_mib_s: float = 0.0
+    decode_s: float = 0.0      # pages decoded from the store (overlaps copy_s: pipelined)
+    copy_s: float = 0.0        # UFFDIO_COPY into QEMU
+    total_s: float = 0.0
+
+
+
+class SandboxMemory:
+    """The memory side of one sandbox (thread-safe: one operation at a time)."""
+
+    def __init__(self, name: str, sharing_domain: str, *, uffd_socket: Path, store: PageStore,
+                 template: TemplateImage, template_ram: Path, lazy_clone: bool,
+                 use_siblings: bool = True) -> None:
+        self.name = name
+        # The store binds a sharing domain to one template (TEMPLATE/TDELTA pages refer to
+        # it); a tenant running clones of two templates gets one store domain per template.
+        # Pages are still never shared across tenants.
+        self.sharing_domain = f"{sharing_domain}@{template.template_id[:16]}"
+        self.store = store
+        self.template = template
+        self.use_siblings = use_siblings
+        self._lock = threading.Lock()
+        self._cancel = threading.Event()
+        self._uffd_socket = str(uffd_socket)
+        self.handle: UffdHandle = UffdExport.connect(self._uffd_socket, EXPORT_CONNECT_TIMEOUT_S)
+        self.block = self._main_block(self.handle)
+        self._block_index = self.handle.blocks.index(self.block)
+        self.cow = self.block.private
+        self.ram_fd = -1 if self.cow else self.handle.ram_fd(self.block)
+        if self.block.offset != 0:
+            raise RestoreError(f"{name}: guest RAM block starts at file offset {self.block.offset}")
+        pages = self.block.page_count
+        self._template_src: TemplateSource | None = None if self.cow else TemplateSource(template_ram)
+        self._store_src = StoreSource(store, name)
+        # What a page nobody stored is: the template's page cache itself (copy-on-write),
+        # the template image's bytes (lazy clone), or zero (eager clone).
+        self._unstored: PageSource = ZeroSource()
+        # Copy-on-write: pages known to be zero are mapped to the zero page, not copied.
+        self._zero_src = ZeroSource()
+        if self.cow:
+            self._unstored = MappedSource()
+        elif lazy_clone and self._template_src is not None:
+            self._unstored = self._template_src
+        self.sources = CompositeSource(pages, self.block.page_size, default=self._unstored)
+        if self.cow:
+            self.sources.register(self._zero_src)  # known to the fault handler from its start
+        if name in store.sandboxes():
+            # A restarted manager: pages stored before it died come from the store again.
+            self.sources.assign(store.stored_pages(name), self._store_src)
+        self.handler = FaultHandler(self.handle, self._sources_for_blocks(), on_error=self._on_error,
+                                    name=f"azq-faults-{name}")
+        self.registered = False
+        self.compressed = False
+        self.hot_idx = np.empty(0, dtype=np.int64)
+        self._prefetched_idx = np.empty(0, dtype=np.int64)
+        self.last_compress = CompressStats()
+        self.last_resume = ResumeStats()
+        self.compress_s_total = 0.0
+        self.restore_s_total = 0.0
+
+    @staticmethod
+    def _main_block(handle: UffdHandle) -> RamMapping:
+        blocks = [b for b in handle.blocks if "memory-backend-memfd" in b.name or "pc.ram" in b.name]
+        if len(blocks) != 1:
+            blocks = sorted(handle.blocks, key=lambda b: b.size_bytes)[-1:]
+        if not blocks:
+            raise RestoreError("the export library reported no guest RAM block")
+        return blocks[0]
+
+    def _sources_for_blocks(self) -> list[PageSource]:
+        # Only the main RAM block is registered; other blocks (if any) get zero sources.
+        return [self.sources if b is self.block else ZeroSource(b.page_size) for b in self.handle.blocks]
+
+    def _on_error(self, exc: BaseException, hva: int) -> None:
+        log.error("%s: fault at %#x cannot be served (the guest waits): %s", self.name, hva, exc)
+
+    # -- life cycle ---------------------------------------------------------------------
+    def attach(self) -> None:
+        """Register the RAM block and start serving faults (lazy clones: before state load)."""
+        with self._lock:
+            self._serve()
+
+    def _serve(self) -> None:
+        """Register the RAM block (once) and run the fault handler; the caller holds the lock."""
+        if not self.registered:
+            self.handle.register(self.block.hva, self.block.size_bytes, minor=self.cow)
+            self.registered = True
+        if not self.handler.running:
+            self.handler.start()
+
+    def detach(self) -> None:
+        """Stop answering for this RAM: unregister first so no fault is left unserved."""
+        with self._lock:
+            if self.registered:
+                try:
+                    self.handle.unregister(self.block.hva, self.block.size_bytes)
+                except Exception as exc:  # noqa: BLE001 - QEMU may already be gone
+                    log.debug("%s: unregister: %s", self.name, exc)
+                self.registered = False
+            self.handler.stop()
+            self.handler.close()
+            self.handle.close()
+            if self._template_src is not None:
+                self._template_src.close()
+
+    def cancel(self) -> None:
+        """Ask a running compression to stop at its next step."""
+        self._cancel.set()
+
+    def resident_bytes(self) -> int:
+        """Guest RAM held for this sandbox alone: the memfd's pages, or the anonymous copies
+        of a copy-on-write mapping."""
+        import os
+
+        if self.cow:
+            return len(private_pages(self.handle.pid, self.block.hva, self.block.page_count)) * PAGE_SIZE
+        return os.fstat(self.ram_fd).st_blocks * 512
+
+    def _read_resident(self) -> tuple[np.ndarray, np.ndarray]:
+        if self.cow:
+            return read_private_pages(self.handle.pid, self.block.hva, self.block.page_count)
+        idx, pages = read_resident_pages(self.ram_fd)
+        keep = idx < self.block.page_count
+        return idx[keep], pages[keep]
+
+    # -- compress -------------------------------------------------------------------------
+    def compress(self) -> CompressStats:
+        """Encode and punch every profitable resident page. The vCPUs must be paused."""
+        self._cancel.clear()
+        st = CompressStats()
+        t0 = time.perf_counter()
+        with self._lock:
+            self._serve()
+            idx, pages = self._read_resident()
+            st.resident_pages = len(idx)
+            st.scan_s = time.perf_counter() - t0
+            self._check_cancel()
+            # The hot set of the phase that just ended: every page that came back since the
+            # last resume, by a fault (touched, read or written: MISSING faults on both) or by
+            # the prefetch (it did not fault because it was already there). Without the
+            # second part the set would flip between two halves from one wait to the next.
+            # Prefetched pages that went untouched cannot be told apart here (no idle-page
+            # tracking in this kernel), so the set is the union of the working sets seen.
+            # Ageing out pages only the prefetch kept was tried and measured worse: a tool
+            # that runs every few phases (the unit tests) lost its pages to the ageing and
+            # paid thousands of faults when it came back, each a round trip to this process
+            # on a host whose cores the guests keep busy. For a copy-on-write clone most of
+            # the set is template and zero pages, which cost nothing mapped.
+            # It is known before encoding: the next resume puts these pages back before the
+            # vCPUs continue, so for a lazy clone the store encodes them for decode speed
+            # (PageStore.encode's hot).
+            faulted = self.handler.hot_pages(self._block_index).astype(np.int64)
+            hot_idx = np.union1d(faulted, self._prefetched_idx)
+            if self.cow:
+                # The copies are pages the guest wrote (or that came back) since the last
+                # compression, faults or not: at the first compression, when nothing could
+                # fault yet, they are the whole working set the guest showed.
+                hot_idx = np.union1d(hot_idx, idx)
+            t1 = time.perf_counter()
+            # Copy-on-write: the pages a resume copies back are only the stored ones, a few
+            # thousand; they decode in milliseconds with zstd, so the store keeps them small
+            # rather than fast (LZ4). Lazy clones bring back their whole working set.
+            hot = None if self.cow else np.isin(idx, hot_idx)
+            res = self.store.encode(self.name, self.sharing_domain, idx, pages, self.template,
+                                    use_siblings=self.use_siblings, hot=hot)
+            del pages
+            st.encode_s = time.perf_counter() - t1
+            st.pages_by_kind, st.bytes_by_kind = dict(res.pages), dict(res.bytes)
+            st.stored_pages, st.raw_pages = len(res.stored_idx), len(res.raw_idx)
+            self.hot_idx = hot_idx
+            self._prefetched_idx = np.empty(0, dtype=np.int64)
+            self.handler.reset_hot()
+            st.hot_pages = len(self.hot_idx)
+            # Sources first, punch second: a page must be findable before it disappears.
+            stored = np.sort(res.stored_idx.astype(np.int64))
+            if self.cow:
+                stored = self._unstore_free_pages(stored)
+            self.sources.assign(stored, self._store_src)
+            t2 = time.perf_counter()
+            try:
+                if self.cow:
+                    # Every copy goes but the incompressible ones, which stay resident.
+                    self._discard_copies(np.setdiff1d(idx, res.raw_idx, assume_unique=True))
+                else:
+                    self._punch(stored)
+            except CompressCancelled as cancel:
+                # Pages not punched yet are still resident: drop their stored copies.
+                left = stored[cancel.done:]
+                self.store.discard(self.name, left)
+                self.sources.assign(left, self._unstored)
+                st.cancelled = True
+            if self.cow and not st.cancelled:
+                st.mapped_pages = self._map_unstored()
+            self.store.flush()
+            st.punch_s = time.perf_counter() - t2
+            st.total_s = time.perf_counter() - t0
+            self.compressed = not st.cancelled
+            self.compress_s_total += st.total_s
+            self.last_compress = st
+            return st
+
+    def _check_cancel(self, done: int = 0) -> None:
+        if self._cancel.is_set():
+            raise CompressCancelled(self.name, done)
+
+    def _punch(self, stored: np.ndarray) -> None:
+        """Punch the stored pages out of the memfd, in runs, watching for a cancel."""
+        punched = 0
+        starts, lengths = page_runs(stored)
+        for s, n in zip(starts.tolist(), lengths.tolist(), strict=True):
+            self._check_cancel(punched)
+            self.handle.punch(self.block, s * PAGE_SIZE, n * PAGE_SIZE)
+            punched += n
+
+    def _unstore_free_pages(self, stored: np.ndarray) -> np.ndarray:
+        """Copy-on-write: written pages whose bytes are the template's again, or zero,
+        need no entry: mapped from the template's page cache or to the zero page they cost
+        nothing until the guest writes them. Returns the pages left in the store."""
+        kinds = self.store.page_kinds(self.name, stored)
+        same, zero = stored[kinds == Kind.TEMPLATE], stored[kinds == Kind.ZERO]
+        if len(same) or len(zero):
+            self.store.discard(self.name, np.concatenate([same, zero]))
+            self.sources.assign(same, self._unstored)
+            self.sources.assign(zero, self._zero_src)
+        return stored[(kinds != Kind.TEMPLATE) & (kinds != Kind.ZERO)]
+
+    def _discard_copies(self, pages: np.ndarray) -> None:
+        """Copy-on-write: have QEMU drop these copies (madvise in runs, many runs per
+        request); the range is registered, so a later touch comes to the handler.
+        Cancellable only before the first madvise (the pages dropped are then no prefix of
+        ``stored``)."""
+        self._check_cancel()
+        starts, lengths = page_runs(np.asarray(pages, dtype=np.int64))
+        ranges = [(self.block.hva + s * PAGE_SIZE, n * PAGE_SIZE)
+                  for s, n in zip(starts.tolist(), lengths.tolist(), strict=True)]
+        if ranges:
+            with UffdExport(self._uffd_socket, EXPORT_CONNECT_TIMEOUT_S) as export:
+                export.discard_ranges(ranges)
+        # Our own madvise reported itself as REMOVE events: they are not guest discards.
+        self.handler.reset_discarded()
+
+    def _map_unstored(self) -> int:
+        """Copy-on-write: map every page that is not mapped and not in the store, from the
+        template's page cache (UFFDIO_CONTINUE) or as the zero page (template holes, pages
+        known zero). They cost the sandbox nothing (page tables aside: 8 bytes a page), and
+        the guest then faults to this process only for pages the store holds. The first
+        compression maps what the guest never touched since the clone started; later ones
+        mostly the pages just discarded that came out TEMPLATE or ZERO."""
+        unmapped = unmapped_pages(self.handle.pid, self.block.hva, self.block.page_count)
+        kinds = np.frombuffer(self.sources.kinds, dtype=np.uint8)[unmapped]
+        from_template = unmapped[kinds == 0]
+        data = self.template.rows(from_template) >= 0
+        zero = np.union1d(from_template[~data], unmapped[kinds == self.sources.index_of(self._zero_src)])
+        return (map_from_file(self.handle.uffd, self.block, from_template[data])
+                + map_from_file(self.handle.uffd, self.block, zero, zero=True))
+
+    # -- resume ---------------------------------------------------------------------------
+    def prefetch(self, *, hot: bool = True) -> ResumeStats:
+        """Put the hot set back (before the vCPUs continue)."""
+        st = ResumeStats()
+        t0 = time.perf_counter()
+        with self._lock:
+            if hot and self.compressed and len(self.hot_idx):
+                stored = self.store.stored_pages(self.name)
+                want = np.intersect1d(self.hot_idx, stored)
+                if len(want):
+                    with Prefetcher(self.handle.uffd) as pf:
+                        r = pf.prefetch(self.block, want, self.sources)
+                    self._prefetched_idx = want
+                    st.prefetched_pages = r.pages_copied
+                    st.prefetch_s = r.elapsed_s
+                    st.prefetch_mib_s = r.mib_s
+                    st.decode_s, st.copy_s = r.decode_s, r.copy_s
+            self.compressed = False
+            st.total_s = time.perf_counter() - t0
+            self.restore_s_total += st.total_s
+            self.last_resume = st
+            return st
+
+    def stored_bytes(self) -> int:
+        if self.name not in self.store.sandboxes():
+            return 0
+        ob = self.store.owned_bytes(self.name)
+        return int(ob.private_bytes + ob.shared_bytes + ob.index_bytes)
+
+    def faults(self) -> int:
+        return self.handler.stats().faults
+
+    def memstats(self, *, reset: bool = False) -> dict[str, object]:
+        """Restore figures for ``azq bench restore`` and dashboards.
+
+        ``service_us`` is the handler's per-fault service time (fault message read to
+        UFFDIO_COPY done) over the faults since the last reset (the newest RING_SIZE of
+        them); ``reset`` starts a new window after reading. Fault counters are cumulative:
+        callers take differences."""
+        h = self.handler.stats()
+        t_ns = self.handler.service_times_ns()
+        if reset:
+            self.handler.reset_service_times()
+        service: dict[str, float | int] = {"samples": int(len(t_ns))}
+        if len(t_ns):
+            t_us = t_ns / 1e3
+            service.update(min=float(t_us.min()), median=float(np.median(t_us)), p90=float(np.percentile(t_us, 90)),
+                           p99=float(np.percentile(t_us, 99)), max=float(t_us.max()),
+                           mean=float(t_us.mean()))
+        counters = asdict(h)
+        for k in ("service_us_median", "service_us_p99", "service_samples"):
+            counters.pop(k)
+        stored = (self.store.owned_bytes(self.name).as_dict() if self.name in self.store.sandboxes() else {})
+        return {"name": self.name, "compressed": self.compressed, "registered": self.registered,
+                "copy_on_write": self.cow, "store": stored,
+                "handler": counters, "service_us": service,
+                "last_compress": asdict(self.last_compress), "last_resume": asdict(self.last_resume),
+                "compress_s_total": self.compress_s_total, "restore_s_total": self.restore_s_total}

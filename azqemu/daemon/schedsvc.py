@@ -1,0 +1,104 @@
+"""The daemon's side of scheduling: what the scheduler may do, and what feeds the phases.
+
+``SchedService`` implements ``sched.actions.SchedActions`` for the scheduler (compress a
+sandbox still waiting, compress and run on, page out, QEMU's pid and resident bytes) on top
+of the lifecycle and accounting services. It also takes the phase observations that do not
+come from azqemu's own exec calls: an orchestrator's hints (``azq phase``) and the in-guest
+agent's reports, and sets a sandbox's policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from azqemu.daemon.accounting import Accounting
+from azqemu.daemon.lifecycle import Lifecycle
+from azqemu.daemon.registry import Registry
+from azqemu.errors import ConfigError
+from azqemu.host.reclaim import pageout
+from azqemu.sched import policy as policy_mod
+from azqemu.sched.actions import SchedState
+from azqemu.sched.agent_channel import AgentMessage
+from azqemu.virt.identity import vm_paths
+
+
+class SchedService:
+    def __init__(self, registry: Registry, lifecycle: Lifecycle, accounting: Accounting) -> None:
+        self.reg = registry
+        self.lifecycle = lifecycle
+        self.accounting = accounting
+
+    # -- sched.actions.SchedActions ------------------------------------------------------
+    @property
+    def sched_states(self) -> Mapping[str, SchedState]:
+        return self.reg.sched
+
+    def compress_if_idle(self, name: str, st: SchedState) -> None:
+        """Compress a sandbox that is still waiting for its LLM (the scheduler's call)."""
+        with self.reg.lock(name):
+            if st.tracker.in_tool_call() or st.tracker.current().phase != "wait":
+                return
+            if name not in self.reg.sched:
+                return
+            self.lifecycle.compress_locked(name)
+
+    def compress_and_run_on(self, name: str) -> None:
+        """The pressure ablation: compress, then let the sandbox run on, served lazily."""
+        with self.reg.lock(name):
+            self.lifecycle.compress_locked(name)
+            self.lifecycle.resume_locked(name, self.reg.domain(name), prefetch=False)
+
+    def pageout(self, name: str) -> None:
+        """The linux policy's proactive reclaim: push an idle sandbox's RAM out to zram."""
+        pid = self.qemu_pid(name)
+        if pid is not None:
+            pageout(pid, backing="ram.img")
+
+    def qemu_pid(self, name: str) -> int | None:
+        return self.accounting.qemu_pid(name)
+
+    def resident_bytes(self, name: str) -> int | None:
+        return self.accounting.resident_bytes(name)
+
+    # -- phases and policies -----------------------------------------------------------
+    def phase(self, name: str, phase: str) -> dict[str, Any]:
+        """An orchestrator's hint: 'wait' (the agent waits for its LLM) or 'tool' (a tool call
+        is coming: a compressed sandbox is resumed with its hot set now, ahead of it)."""
+        self.reg.record(name)
+        st = self.reg.sched.get(name)
+        if st is None:
+            raise ConfigError(f"{name!r} has no scheduling state")
+        try:
+            st.tracker.hint(phase)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        out: dict[str, Any] = {"name": name, "phase": phase}
+        if phase == "tool" and name in self.reg.paused_by_azq:
+            self.lifecycle.memory.cancel(name)
+            with self.reg.lock(name):
+                if name in self.reg.paused_by_azq:
+                    out.update(self.lifecycle.resume_locked(name, self.reg.domain(name),
+                                                            prefetch=st.policy.prefetch))
+        return out
+
+    def set_policy(self, names: list[str], policy: str, grace_s: float | None = None) -> None:
+        """Record a new policy (and grace period) for sandboxes; their phases start over."""
+        pol = policy_mod.get(policy)
+        for n in names:
+            rec = self.reg.record(n)
+            rec.policy = pol.name
+            if grace_s is not None:
+                rec.grace_s = float(grace_s)
+            self.reg.sandboxes.save(rec)
+            self.reg.sched[n] = SchedState(pol, grace_s=rec.grace_s)
+
+    def agent_sockets(self) -> dict[str, Path]:
+        """The in-guest agent channel of every scheduled sandbox (for ``AgentLinks``)."""
+        return {n: vm_paths(n, self.reg.cfg).azq_agent_socket for n in list(self.reg.sched)}
+
+    def on_agent_message(self, name: str, msg: AgentMessage) -> None:
+        st = self.reg.sched.get(name)
+        if st is not None:
+            st.tracker.agent_event(msg.phase)

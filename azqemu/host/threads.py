@@ -1,0 +1,51 @@
+"""Thread priority: the one place azqemu sets a thread's nice value.
+
+Linux schedules threads, and setpriority(2) with PRIO_PROCESS and a thread id (or 0, the
+calling thread) changes that thread only, not its process (Linux semantics, not POSIX).
+Fault handlers run above the guests (a vCPU waits on every fault), compression below them
+(it is background work), and helper threads take the priority of the thread they serve.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# A vCPU waits while its fault is served: the handler must win the CPU from the guests that
+# keep the host's cores busy (a wake-up a scheduler slice late is milliseconds).
+FAULT_HANDLER_NICE = -10
+# Compression is background work: on a small host it must not take CPU from the vCPUs of
+# sandboxes running tool calls (nor from the fault handlers).
+COMPRESS_NICE = 10
+
+
+def thread_nice() -> int:
+    """The calling thread's nice value (getpriority(2) with 0 names the calling thread)."""
+    try:
+        return os.getpriority(os.PRIO_PROCESS, 0)
+    except OSError:
+        return 0
+
+
+def set_thread_nice(nice: int) -> bool:
+    """Set the calling thread's nice value; raising it needs CAP_SYS_NICE (the manager, root,
+    has it). Returns False (and logs) where the kernel refuses."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+        return True
+    except OSError as exc:
+        log.debug("cannot set this thread's nice value to %d: %s", nice, exc)
+        return False
+
+
+def run_at_nice(nice: int, fn: Callable[..., T], *args: Any) -> T:
+    """Run ``fn`` (in a helper thread) at the priority of the thread that asked: a helper
+    created by a niced compression thread must not slow a resume, nor the reverse."""
+    if thread_nice() != nice:
+        set_thread_nice(nice)
+    return fn(*args)

@@ -1,0 +1,56 @@
+"""Pages: the unit every layer of azqemu counts in, and helpers on runs of them.
+
+The ground level shared by the page codec (``memory``), the restore path (``restore``), the
+VM layer's RAM files (``virt.ramfile``) and the host readers (``host``). ``page_idx`` counts
+4 KiB pages from offset 0 of a RAM backing (``offset = page_idx * PAGE_SIZE``).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+
+PAGE_SIZE = 4096
+PAGE_SHIFT = 12
+
+
+def page_runs(page_idxs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted unique page indices -> (run starts, run lengths)."""
+    if len(page_idxs) == 0:
+        return np.empty(0, np.int64), np.empty(0, np.int64)
+    cuts = np.flatnonzero(np.diff(page_idxs) != 1) + 1
+    starts_at = np.concatenate(([0], cuts))
+    lengths = np.diff(np.concatenate((starts_at, [len(page_idxs)])))
+    return page_idxs[starts_at], lengths
+
+
+def data_extents(fd: int) -> list[tuple[int, int]]:
+    """Data extents of a file as page-aligned (offset, length), walked with SEEK_DATA/SEEK_HOLE.
+
+    Relies on lseek(2) SEEK_DATA/SEEK_HOLE (Linux >= 3.1; tmpfs, memfd, ext4, xfs report real
+    holes; a filesystem without support reports one extent covering the whole file, which is
+    correct, only slower).
+    """
+    size = os.fstat(fd).st_size
+    extents: list[tuple[int, int]] = []
+    pos = 0
+    while pos < size:
+        try:
+            start = os.lseek(fd, pos, os.SEEK_DATA)
+        except OSError as err:
+            if err.errno == errno.ENXIO:      # no data after pos
+                break
+            raise
+        end = os.lseek(fd, start, os.SEEK_HOLE)
+        # Round outwards to whole pages: extents on tmpfs are page granular anyway.
+        a = start & ~(PAGE_SIZE - 1)
+        b = min((end + PAGE_SIZE - 1) & ~(PAGE_SIZE - 1), (size + PAGE_SIZE - 1) & ~(PAGE_SIZE - 1))
+        if extents and extents[-1][0] + extents[-1][1] >= a:
+            prev_a = extents[-1][0]
+            extents[-1] = (prev_a, max(b, prev_a + extents[-1][1]) - prev_a)
+        else:
+            extents.append((a, b - a))
+        pos = end
+    return extents

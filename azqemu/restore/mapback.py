@@ -1,0 +1,49 @@
+"""Map-back: pages of a copy-on-write clone that need no copy, mapped at compress time.
+
+After a compression drops a copy-on-write clone's written pages, the pages that are not in
+the store are mapped again at once, without costing the sandbox memory: template pages from
+the template's page cache (UFFDIO_CONTINUE, MINOR mode: shared and read-only, a write copies
+them), pages known to be zero (and template holes) as the zero page (UFFDIO_ZEROPAGE).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+
+import numpy as np
+
+from azqemu.pages import page_runs
+from azqemu.restore import uffd as uffd_ops
+from azqemu.restore.errors import UffdIoctlError
+from azqemu.restore.export import RamMapping
+
+
+def map_from_file(uffd: int, block: RamMapping, page_idxs: np.ndarray, *, zero: bool = False) -> int:
+    """Map pages of a copy-on-write block from the template's page cache, in runs
+    (UFFDIO_CONTINUE; the zero page over a hole of the template file), or with ``zero``
+    the zero page itself (pages known to be zero). Costs no copy and no memory of the
+    sandbox's own. Pages already mapped are skipped. Returns pages mapped."""
+    idx = np.unique(np.asarray(page_idxs, dtype=np.int64))
+    ps = block.page_size
+    mapped = 0
+    starts, lengths = page_runs(idx)
+    for first, count in zip(starts.tolist(), lengths.tolist(), strict=True):
+        page, end = first, first + count
+        while page < end:
+            hva = block.hva + page * ps
+            try:
+                if zero:
+                    n = uffd_ops.zeropage(uffd, hva, (end - page) * ps) // ps
+                else:
+                    n = uffd_ops.continue_range(uffd, hva, (end - page) * ps) // ps
+                mapped += n
+            except UffdIoctlError as err:
+                if err.errno == errno.EFAULT:      # a hole: nothing in the page cache
+                    with contextlib.suppress(UffdIoctlError):
+                        mapped += uffd_ops.zeropage(uffd, hva, ps) // ps
+                elif err.errno != errno.EEXIST:    # EEXIST: mapped already (touched)
+                    raise
+                n = 1
+            page += max(n, 1)
+    return mapped

@@ -1,0 +1,117 @@
+"""Accounting through the manager's facade against a fake host: owned, resident and stored
+bytes per sandbox, the store's dead bytes shared out pro rata, QEMU's own memory cached."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from azqemu.daemon.manager import Manager
+from azqemu.host import memacct, procfs
+from azqemu.virt.clones import SandboxRecord
+from azqemu.virt.templates import TemplateMeta
+
+PAGE = 4096
+RESIDENT = {101: 10 * PAGE, 102: 20 * PAGE}          # memfd clones: the memfd's allocated bytes
+COW_VMA = {"Anonymous": 10 * PAGE, "KSM": 2 * PAGE, "Swap": 4 * PAGE, "Pss": 5000}
+
+
+class FakeMem:
+    def __init__(self, stored: int, compressed: bool = False) -> None:
+        self.stored = stored
+        self.compressed = compressed
+        self.compress_s_total = 0.5
+        self.restore_s_total = 0.25
+
+    def stored_bytes(self) -> int:
+        return self.stored
+
+
+@pytest.fixture
+def mgr(cfg: Any, host: Any, sandbox_meta_of: Any, template: TemplateMeta,
+        monkeypatch: pytest.MonkeyPatch) -> Manager:
+    for name, mode, pid in (("m0", "eager", 101), ("m1", "eager", 102), ("c0", "cow", 103), ("down", "eager", None)):
+        host.add(name, sandbox_meta_of(ram_mode=mode), pid=pid)
+    m = Manager(cfg, host=host)
+    for name in ("m0", "m1", "c0", "down"):  # adopted at start with policy manual: give them theirs
+        rec = m.registry.record(name)
+        m.registry.sandboxes.save(SandboxRecord(**{**rec.__dict__, "policy": "none-cow"}))
+    m.memory.mem["m1"] = FakeMem(2000, compressed=True)  # type: ignore[assignment]
+    m.memory.mem["c0"] = FakeMem(3000)  # type: ignore[assignment]
+    # The store: 1500 bytes allocated in its arenas, 1000 of them live: every store byte
+    # of a sandbox costs 1.5.
+    store = SimpleNamespace(total_bytes=lambda: SimpleNamespace(
+        arena_allocated_bytes=1500, arena_live_bytes=1000, total_bytes=1000))
+    monkeypatch.setattr(m.memory, "opened_store", lambda: store)
+    monkeypatch.setattr(m.accounting, "ram_resident_bytes", lambda pid, mode: RESIDENT[pid])
+    monkeypatch.setattr(procfs, "find_guest_ram", lambda pid, backing=None: (0, 1 << 30))
+    monkeypatch.setattr(procfs, "read_vma_smaps", lambda pid, s, e: dict(COW_VMA) if pid == 103 else {"Pss": 1000})
+    rollup = {"Pss": 100_000}
+    monkeypatch.setattr(procfs, "read_smaps_rollup", lambda pid: dict(rollup))
+    m.rollup = rollup  # type: ignore[attr-defined]
+    # KSM: one physical page per four mappings; zram: one byte of memory per four swapped.
+    monkeypatch.setattr(memacct, "read_ksm", lambda: memacct.KsmStat(pages_shared=1, pages_sharing=3))
+    monkeypatch.setattr(memacct, "read_zram_total", lambda: {"orig_data_size": 4, "mem_used_total": 1})
+    return m
+
+
+def test_owned_sums_resident_and_stored_with_the_store_overhead(mgr: Manager) -> None:
+    out = mgr.op_owned()
+    rows = out["sandboxes"]
+    assert set(rows) == {"m0", "m1", "c0", "down"}
+    assert (out["store_bytes"], out["store_live_bytes"]) == (1500, 1000)
+    assert out["manager_rss_bytes"] > 0
+
+    assert rows["m0"] == {"name": "m0", "policy": "none-cow", "ram_mode": "eager",
+                               "owned_bytes": 10 * PAGE, "resident_bytes": 10 * PAGE, "stored_bytes": 0,
+                               "qemu_own_bytes": 99_000, "compress_s_total": 0.0, "restore_s_total": 0.0}
+    # memfd clone with pages in the store: 2000 stored bytes x 1.5
+    assert (rows["m1"]["resident_bytes"], rows["m1"]["stored_bytes"], rows["m1"]["owned_bytes"]) == \
+        (20 * PAGE, 3000, 20 * PAGE + 3000)
+    assert (rows["m1"]["compress_s_total"], rows["m1"]["restore_s_total"]) == (0.5, 0.25)
+    # Copy-on-write clone: 8 private pages + 2 KSM pages x 1/4 + 4 swapped pages x 1/4 under
+    # Linux, plus 3000 store bytes x 1.5 azqemu keeps for it.
+    linux = 8 * PAGE + 2 * PAGE // 4 + 4 * PAGE // 4
+    assert rows["c0"]["resident_bytes"] == 10 * PAGE
+    assert rows["c0"]["owned_bytes"] == linux + 4500
+    assert rows["c0"]["stored_bytes"] == linux - 8 * PAGE + 4500
+    assert rows["c0"]["qemu_own_bytes"] == 95_000
+    # A sandbox whose QEMU is not running owns nothing.
+    assert (rows["down"]["owned_bytes"], rows["down"]["qemu_own_bytes"]) == (0, 0)
+    assert sum(r["owned_bytes"] for r in rows.values()) == 10 * PAGE + 20 * PAGE + 3000 + linux + 4500
+
+
+def test_owned_of_named_sandboxes_reports_unknown_ones_as_errors(mgr: Manager) -> None:
+    rows = mgr.op_owned(["m0", "nope"])["sandboxes"]
+    assert rows["nope"] == {"name": "nope", "error": "unknown sandbox 'nope'"}
+    assert rows["m0"]["owned_bytes"] == 10 * PAGE
+
+
+def test_without_a_store_there_is_no_overhead(mgr: Manager, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(mgr.memory, "opened_store", lambda: None)
+    out = mgr.op_owned(["m1"])
+    assert (out["store_bytes"], out["store_live_bytes"]) == (0, 0)
+    assert out["sandboxes"]["m1"]["stored_bytes"] == 2000
+
+
+def test_qemu_own_bytes_are_read_again_only_after_the_refresh_period(mgr: Manager) -> None:
+    assert mgr.op_owned(["m0"])["sandboxes"]["m0"]["qemu_own_bytes"] == 99_000
+    mgr.rollup["Pss"] = 200_000  # type: ignore[attr-defined]
+    assert mgr.op_owned(["m0"])["sandboxes"]["m0"]["qemu_own_bytes"] == 99_000  # cached
+    mgr.accounting._qemu_own_cache.clear()
+    assert mgr.op_owned(["m0"])["sandboxes"]["m0"]["qemu_own_bytes"] == 199_000
+
+
+def test_list_and_dominfo_describe_state_memory_and_machine(mgr: Manager, host: Any) -> None:
+    host.doms["m0"].suspend()
+    host.doms.pop("m0")  # the domain vanished after the manager started
+    rows = {r["name"]: r for r in mgr.op_list()}
+    assert (rows["m0"]["state"], rows["m0"]["qemu_pid"], rows["m0"]["resident_bytes"]) == ("gone", None, None)
+    assert (rows["m1"]["state"], rows["m1"]["resident_bytes"], rows["m1"]["stored_bytes"],
+            rows["m1"]["compressed"]) == ("running", 20 * PAGE, 2000, True)
+    assert rows["down"]["resident_bytes"] is None  # no QEMU pid
+    info = mgr.op_dominfo("c0")
+    assert (info["mem_mib"], info["vcpus"], info["machine"], info["accel"]) == (64, 1, "pc", "tcg")
+    assert info["stored_bytes"] == 3000 and info["compressed"] is False

@@ -1,0 +1,48 @@
+"""The policies: what each one does in an LLM wait, and the table that documents them."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from azqemu.errors import ConfigError
+from azqemu.sched import policy
+
+
+def test_unknown_policy_is_refused_with_the_known_ones() -> None:
+    with pytest.raises(ConfigError) as err:
+        policy.get("zswap")
+    assert str(err.value) == ("unknown policy 'zswap' (one of: manual, none, none-cow, linux, agentzip, "
+                              "agentzip-no-prefetch, agentzip-no-sibling, agentzip-pressure)")
+
+
+def test_each_policy_does_what_its_row_says() -> None:
+    acts = {name: (p.clone_mode, p.compress_on_wait, p.linux_reclaim, p.pressure, p.prefetch, p.use_siblings)
+            for name, p in policy.POLICIES.items()}
+    assert acts == {
+        "manual": ("lazy", False, False, False, True, True),
+        "none": ("eager", False, False, False, True, True),
+        "none-cow": ("cow", False, False, False, True, True),
+        "linux": ("cow", False, True, False, True, True),
+        "agentzip": ("cow", True, False, False, True, True),
+        "agentzip-no-prefetch": ("cow", True, False, False, False, True),
+        "agentzip-no-sibling": ("cow", True, False, False, True, False),
+        "agentzip-pressure": ("cow", False, False, True, False, True),
+    }
+    assert {n for n, p in policy.POLICIES.items() if p.compresses} == {
+        "agentzip", "agentzip-no-prefetch", "agentzip-no-sibling", "agentzip-pressure"}
+
+
+def test_the_documented_table_lists_every_policy_with_its_clone_mode() -> None:
+    rows = re.findall(r"^\| ([^\s|]+)\s*\| ([^\s|]+)", policy.__doc__ or "", re.MULTILINE)
+    documented = {name: mode for name, mode in rows if name != "policy"}
+    assert set(documented) == set(policy.POLICIES)
+    for name, mode in documented.items():
+        # "lazy (or eager)": manual clones lazily where userfaultfd works
+        assert mode in ("eager", "copy-on-write", "lazy")
+        assert {"eager": "eager", "copy-on-write": "cow", "lazy": "lazy"}[mode] == policy.get(name).clone_mode
+
+
+def test_the_grace_period_is_a_second() -> None:
+    assert policy.DEFAULT_GRACE_S == 1.0
