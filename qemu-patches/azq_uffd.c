@@ -654,9 +654,11 @@ static void serve_connection(int sock)
         send_error(sock, EACCES, "cannot read peer credentials");
         return;
     }
-    /* Whoever holds these fds can read and change guest RAM: root or QEMU's own user. */
-    if (cred.uid != 0 && cred.uid != geteuid()) {
-        send_error(sock, EACCES, "peer uid %u is neither root nor %u", cred.uid, geteuid());
+    /* Whoever holds these fds can read and change guest RAM: only the manager (root). Not
+     * QEMU's own uid: every QEMU runs as that user, so a guest that escapes into its QEMU
+     * could otherwise connect to another sandbox's export and take its RAM. */
+    if (cred.uid != 0) {
+        send_error(sock, EACCES, "peer uid %u is not root (only the manager is served)", cred.uid);
         return;
     }
     struct timeval tv = {.tv_sec = AZQ_IO_TIMEOUT_S};

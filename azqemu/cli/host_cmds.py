@@ -41,3 +41,14 @@ def setup(restart: bool) -> None:
 
     done = setup_host(restart=restart, kernel=_guest_kernel())
     click.echo("; ".join(done) if done else "host already set up")
+
+
+@host.command("recover")
+@click.option("--setup", "undo_setup", is_flag=True,
+              help="Also undo 'azq host setup' (qemu.conf block, libvirt hook); no azqemu domain may run.")
+def recover(undo_setup: bool) -> None:
+    """Put back what azqemu changed on this host (a killed benchmark's Linux configuration)."""
+    from azqemu.host.setup import recover_host
+
+    done = recover_host(setup=undo_setup)
+    click.echo("; ".join(done) if done else "nothing to recover")

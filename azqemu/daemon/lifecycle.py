@@ -23,6 +23,7 @@ from typing import Any
 from azqemu.agent import GuestAgent
 from azqemu.daemon.memsvc import MemoryService
 from azqemu.daemon.registry import Registry
+from azqemu.daemon.requests import MAX_CLONES_PER_REQUEST
 from azqemu.errors import ConfigError, DomainStateError, SandboxExists
 from azqemu.host import doctor
 from azqemu.names import validate_name
@@ -47,7 +48,6 @@ log = logging.getLogger(__name__)
 # CPU. Measured here (2 cores, TCG, azq bench clone -n 16): 4 at once gave a median of
 # 1.06 s per clone and 4.8 s in all, 2 at once 0.56 s and 4.6 s: more only queues.
 MAX_PARALLEL_CLONES = 2
-MAX_CLONES_PER_REQUEST = 256
 EXEC_DEFAULT_TIMEOUT_S = 300.0
 
 # virt.clones.clone_one and virt.clones.destroy, or stand-ins in the unit tests.
@@ -102,7 +102,8 @@ class Lifecycle:
                     rec = self._clone_one(reg.host, tmpl, n, sharing_domain=sharing_domain, ram_mode=mode,
                                           fill=fills.get(mode, lazy_fill), repo=reg.sandboxes, env=env,
                                           ram_backing="file-private" if mode == "cow" else "memfd",
-                                          policy=pol.name, grace_s=float(grace_s))
+                                          policy=pol.name, grace_s=float(grace_s),
+                                          ksm_merge=pol.linux_reclaim)
                     reg.sched[n] = SchedState(pol, grace_s=float(grace_s))
                     return rec
                 except BaseException:

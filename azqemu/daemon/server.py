@@ -21,11 +21,17 @@ from pathlib import Path
 from typing import Any
 
 from azqemu import config as config_mod
-from azqemu.daemon import protocol
+from azqemu.daemon import protocol, requests
 from azqemu.daemon.manager import Manager
 from azqemu.errors import AzqemuError, DaemonError
 
 GIL_SWITCH_INTERVAL_S = 0.001
+# A client has this long to send its request line; the reply may take as long as the
+# operation (a template build: minutes), but a peer that never reads it is dropped after this.
+REQUEST_READ_TIMEOUT_S = 30.0
+REPLY_WRITE_TIMEOUT_S = 60.0
+# Connections served at once (each a thread); more get one error line at once.
+MAX_CONNECTIONS = 64
 
 log = logging.getLogger(__name__)
 
@@ -41,19 +47,42 @@ class _Handler(socketserver.StreamRequestHandler):
                                                 "message": "the azqemu daemon serves root only",
                                                 "exit_code": 1}})
             return
-        line = self.rfile.readline(protocol.MAX_LINE_BYTES + 1)
+        if not self.server.slots.acquire(blocking=False):
+            self._reply({"ok": False, "error": {"type": "DaemonBusy", "exit_code": 1,
+                                                "message": f"the daemon serves {MAX_CONNECTIONS} connections "
+                                                           "already; try again"}})
+            return
+        try:
+            self._serve_one()
+        finally:
+            self.server.slots.release()
+
+    def _serve_one(self) -> None:
+        self.request.settimeout(REQUEST_READ_TIMEOUT_S)
+        try:
+            line = self.rfile.readline(protocol.MAX_LINE_BYTES + 1)
+        except OSError:
+            return  # silent or vanished client
         if not line:
             return
         try:
+            if len(line) > protocol.MAX_LINE_BYTES or not line.endswith(b"\n"):
+                raise ValueError(f"request line longer than {protocol.MAX_LINE_BYTES} bytes")
             req = protocol.decode(line)
-            op = str(req.get("op", ""))
+            op = req.get("op", "")
             args = req.get("args") or {}
+            if not isinstance(op, str):
+                raise ValueError("op must be a string")
             if not isinstance(args, dict):
                 raise ValueError("args must be an object")
-        except ValueError as exc:
-            self._reply({"ok": False, "error": {"type": "ProtocolError", "message": str(exc), "exit_code": 2}})
+        except (ValueError, RecursionError) as exc:
+            message = str(exc) if isinstance(exc, ValueError) else "request nested too deeply"
+            self._reply({"ok": False, "error": {"type": "ProtocolError", "message": message, "exit_code": 2}})
             return
-        self._reply(self.server.dispatch(op, args))
+        self.request.settimeout(None)   # the operation may take minutes
+        reply = self.server.dispatch(op, args)
+        self.request.settimeout(REPLY_WRITE_TIMEOUT_S)
+        self._reply(reply)
 
     def _reply(self, obj: dict[str, Any]) -> None:
         with contextlib.suppress(OSError):
@@ -63,13 +92,16 @@ class _Handler(socketserver.StreamRequestHandler):
 class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
     manager: Manager
+    slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
 
     def dispatch(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
-        fn = getattr(self.manager, f"op_{op}", None)
-        if fn is None or not op.replace("_", "").isalnum():
-            return {"ok": False, "error": {"type": "ProtocolError", "message": f"unknown operation {op!r}",
+        fn = getattr(self.manager, f"op_{op}", None) if op.isascii() and op.replace("_", "").isalnum() else None
+        if fn is None:
+            shown = op if len(op) <= 40 else op[:40] + "..."
+            return {"ok": False, "error": {"type": "ProtocolError", "message": f"unknown operation {shown!r}",
                                            "exit_code": 2}}
         try:
+            requests.check_args(op, args)
             return {"ok": True, "result": fn(**args)}
         except AzqemuError as exc:
             log.info("op %s failed: %s", op, exc, exc_info=log.isEnabledFor(logging.DEBUG))

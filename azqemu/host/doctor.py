@@ -103,7 +103,20 @@ def run_checks() -> list[Check]:
                         f"built ({kernel.parent})" if kernel else "not built",
                         "" if kernel else "run 'azq image build'"))
     checks.append(_disk_check(cfg.state_dir))
+    checks.append(_baseline_check())
     return checks
+
+
+def _baseline_check() -> Check:
+    """The Linux configuration a benchmark set up must not outlive it (swap on zram takes other
+    processes' pages, KSM merges them): its record still on disk means it was not torn down."""
+    from azqemu.host.linuxmm import RECORD_DIR, RECORD_NAME
+
+    record = RECORD_DIR / RECORD_NAME
+    if record.exists():
+        return Check("baseline", WARN, f"the Linux configuration of a benchmark is still set up ({record})",
+                     "run 'azq host recover' (unless a benchmark runs now)")
+    return Check("baseline", OK, "no Linux-configuration settings left behind")
 
 
 def _libvirt_check(uri: str, *, hide_kvm: bool) -> Check:

@@ -23,6 +23,7 @@ import psutil
 
 from azqemu import config as config_mod
 from azqemu.errors import HostError, NotRoot
+from azqemu.host.files import write_atomic
 from azqemu.host.kvm import KvmVerdict, probe_kvm
 from azqemu.virt import cowhook
 
@@ -107,8 +108,51 @@ def configure_libvirt() -> bool:
         for key in ("namespaces", "memory_backing_dir"):
             if re.search(rf"^\s*{key}\s*=", text, re.M):
                 raise HostError(f"{QEMU_CONF} already sets '{key}'; remove it so azqemu can manage it")
-    QEMU_CONF.write_text(text.rstrip("\n") + "\n\n" + CONF_BLOCK)
+    write_atomic(QEMU_CONF, text.rstrip("\n") + "\n\n" + CONF_BLOCK)
     return True
+
+
+def unconfigure_libvirt() -> bool:
+    """Remove azqemu's block from qemu.conf; True if the file changed (libvirtd must restart)."""
+    text = QEMU_CONF.read_text()
+    if CONF_MARK not in text:
+        return False
+    start = text.index(CONF_MARK)
+    end = text.find(CONF_END, start)
+    end = len(text) if end < 0 else end + len(CONF_END)
+    rest = text[end:].lstrip("\n")
+    write_atomic(QEMU_CONF, text[:start].rstrip("\n") + "\n" + (("\n" + rest) if rest else ""))
+    return True
+
+
+def recover_host(*, setup: bool = False) -> list[str]:
+    """Put back what azqemu changed on this host; returns what was done.
+
+    Always: the Linux configuration a benchmark set up (swap on zram, KSM, sysctls), from the
+    record it wrote before changing anything (a benchmark killed with SIGKILL leaves it). With
+    ``setup``: also what ``azq host setup`` changed in libvirt's configuration (azqemu's block in
+    qemu.conf, the copy-on-write hook), refused while azqemu's domains run (their RAM depends on
+    both); libvirtd must then be restarted to forget them.
+    """
+    from azqemu.host.linuxmm import RECORD_DIR, RECORD_NAME, LinuxConfig
+
+    if os.geteuid() != 0:
+        raise NotRoot("azq host recover")
+    done: list[str] = []
+    if LinuxConfig.recover():
+        done.append(f"Linux configuration restored from {RECORD_DIR / RECORD_NAME}")
+    if setup:
+        from azqemu.virt.host import Host
+
+        with Host.wait(config_mod.load().libvirt_uri, LIBVIRTD_START_TIMEOUT_S) as host:
+            ours = [d.name for d in host.domains() if d.metadata().get("role")]
+        if ours:
+            raise HostError(f"azqemu domains still run ({', '.join(sorted(ours)[:5])}); destroy them first")
+        if unconfigure_libvirt():
+            done.append(f"removed azqemu's block from {QEMU_CONF} (restart libvirtd)")
+        if cowhook.remove_hook():
+            done.append(f"removed {cowhook.HOOK_PATH} (restart libvirtd)")
+    return done
 
 
 def _wait_libvirt(uri: str, timeout_s: float) -> None:

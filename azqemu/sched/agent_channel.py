@@ -6,8 +6,11 @@ untrusted, so this reader assumes every byte is hostile:
 
 - framing is bounded: a line longer than ``max_line_bytes`` is dropped (and the rest of it up
   to the next newline), so the buffer never grows past that bound whatever the guest writes;
-- each line costs a token from a per-channel token bucket before it is parsed at all, so a
-  flooding guest costs the host a bounded amount of work per second;
+- each line costs a token from a per-channel token bucket before it is parsed at all, and
+  every byte costs one from a byte budget that the reader checks before it reads (over it,
+  the reader stops reading the channel until the budget refills: the guest's port fills and
+  its writer blocks), so a flooding guest, even one streaming bare newlines, costs the host a
+  bounded amount of work per second;
 - the schema is strict: a known event, exactly its fields, the right types and bounds, no
   NaN, no duplicate keys, no control characters; anything else is rejected and counted;
 - an accepted message names its sandbox from the channel it arrived on, never from its
@@ -35,6 +38,10 @@ MAX_LINE_BYTES = 4096
 # guest above that is broken or hostile and loses the excess.
 RATE_PER_S = 20.0
 BURST = 40
+# Bytes: 20 lines/s of ~150 bytes is 3 KB/s; 16 KiB/s sustained and a 64 KiB burst leave
+# five times that, and bound what one guest makes the shared reader thread parse.
+RATE_BYTES_PER_S = 16384.0
+BURST_BYTES = 65536
 MAX_STR_CHARS = 64
 MAX_SEQ = 2**53            # JSON-safe integer bound
 MAX_PID = 4194304          # PID_MAX_LIMIT on 64-bit Linux
@@ -87,6 +94,7 @@ class ChannelStats:
     accepted: int = 0
     dropped_long: int = 0        # lines over max_line_bytes
     dropped_rate: int = 0        # lines over the token bucket
+    throttled: int = 0           # times the reader stopped reading: byte budget spent
     rejected_json: int = 0       # not UTF-8, not JSON, NUL bytes, nesting
     rejected_schema: int = 0     # JSON but not a valid message
     seq_gaps: int = 0            # messages the guest says it sent that never arrived
@@ -108,14 +116,32 @@ class TokenBucket:
         self.tokens = float(burst)
         self.last = clock()
 
-    def take(self) -> bool:
+    def _refill(self) -> None:
         now = self.clock()
         self.tokens = min(self.burst, self.tokens + max(0.0, now - self.last) * self.rate_per_s)
         self.last = now
-        if self.tokens >= 1.0:
-            self.tokens -= 1.0
+
+    def take(self, n: float = 1.0) -> bool:
+        self._refill()
+        if self.tokens >= n:
+            self.tokens -= n
             return True
         return False
+
+    def available(self) -> int:
+        """Whole tokens available now."""
+        self._refill()
+        return int(self.tokens)
+
+    def charge(self, n: float) -> None:
+        """Spend ``n`` tokens that were checked with available()."""
+        self._refill()
+        self.tokens -= n
+
+    def seconds_until(self, n: float) -> float:
+        """How long until ``n`` tokens are available."""
+        self._refill()
+        return max(0.0, (n - self.tokens) / self.rate_per_s)
 
 
 def _reject_constant(name: str) -> Any:
@@ -216,6 +242,8 @@ class AgentChannel:
     sandbox: str
     rate_per_s: float = RATE_PER_S
     burst: int = BURST
+    rate_bytes_per_s: float = RATE_BYTES_PER_S
+    burst_bytes: int = BURST_BYTES
     max_line_bytes: int = MAX_LINE_BYTES
     clock: Callable[[], float] = time.monotonic
     stats: ChannelStats = field(default_factory=ChannelStats)
@@ -224,10 +252,24 @@ class AgentChannel:
         self._buf = bytearray()
         self._discarding = False   # inside an over-long line: drop up to the next newline
         self._bucket = TokenBucket(self.rate_per_s, self.burst, self.clock)
+        self._bytes = TokenBucket(self.rate_bytes_per_s, self.burst_bytes, self.clock)
         self._last_seq: int | None = None
 
+    def read_allowance(self) -> int:
+        """Bytes the reader may read now (0: stop reading until ``resume_in_s()``)."""
+        n = self._bytes.available()
+        if n < 1:
+            self.stats.throttled += 1
+        return n
+
+    def resume_in_s(self, want_bytes: int = 4096) -> float:
+        """Seconds until ``want_bytes`` of budget are back."""
+        return self._bytes.seconds_until(min(want_bytes, self.burst_bytes))
+
     def feed(self, data: bytes) -> list[AgentMessage]:
-        """Take the next bytes read from the channel; return the messages they complete."""
+        """Take the next bytes read from the channel; return the messages they complete.
+        The bytes are charged to the byte budget (the reader asked ``read_allowance`` first)."""
+        self._bytes.charge(len(data))
         out: list[AgentMessage] = []
         start = 0
         while start < len(data):

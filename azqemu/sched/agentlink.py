@@ -3,7 +3,9 @@
 libvirt binds each sandbox's channel to a unix socket in its socket directory; one thread
 here connects to all of them, reads what the guests write, validates it with
 ``agent_channel.AgentChannel`` (bounded, rate limited, strict schema) and turns accepted
-messages into phase observations of that same sandbox only.
+messages into phase observations of that same sandbox only. A channel whose byte budget is
+spent is not read (taken out of the selector) until its budget refills: backpressure on that
+guest alone, the others are read as before.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import logging
 import selectors
 import socket
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,6 +36,7 @@ class AgentLinks:
         self._on_message = on_message
         self._sel = selectors.DefaultSelector()
         self._conns: dict[str, tuple[socket.socket, AgentChannel]] = {}
+        self._paused: dict[str, float] = {}   # sandbox -> monotonic time to read it again
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="azq-agent-links", daemon=True)
 
@@ -70,9 +74,26 @@ class AgentLinks:
 
     def _drop(self, name: str) -> None:
         s, _ = self._conns.pop(name)
+        self._paused.pop(name, None)
         with contextlib.suppress(KeyError, ValueError):
             self._sel.unregister(s)
         s.close()
+
+    def _pause(self, name: str, s: socket.socket, ch: AgentChannel) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(s)
+        self._paused[name] = time.monotonic() + ch.resume_in_s(READ_BYTES)
+
+    def _unpause_due(self) -> float:
+        """Read again the channels whose budget is back; returns seconds to the next one due."""
+        now, nearest = time.monotonic(), RESCAN_S
+        for name, due in list(self._paused.items()):
+            if due <= now:
+                del self._paused[name]
+                self._sel.register(self._conns[name][0], selectors.EVENT_READ, name)
+            else:
+                nearest = min(nearest, due - now)
+        return nearest
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -80,11 +101,16 @@ class AgentLinks:
                 self._rescan()
             except Exception:  # noqa: BLE001 - keep listening to the others
                 log.exception("agent link rescan failed")
-            for key, _ in self._sel.select(timeout=RESCAN_S) if self._conns else []:
+            timeout = self._unpause_due()
+            for key, _ in self._sel.select(timeout=timeout) if len(self._conns) > len(self._paused) else []:
                 name = key.data
                 s, ch = self._conns[name]
+                allowance = ch.read_allowance()
+                if allowance < 1:
+                    self._pause(name, s, ch)
+                    continue
                 try:
-                    data = s.recv(READ_BYTES)
+                    data = s.recv(min(READ_BYTES, allowance))
                 except BlockingIOError:
                     continue
                 except OSError:
@@ -94,5 +120,5 @@ class AgentLinks:
                     continue
                 for msg in ch.feed(data):
                     self._on_message(name, msg)
-            if not self._conns:
-                self._stop.wait(RESCAN_S)
+            if len(self._conns) <= len(self._paused):
+                self._stop.wait(timeout)

@@ -120,7 +120,7 @@ def _send_devstate(devstate: Path, sock_path: Path, timeout_s: float) -> None:
 def clone_one(host: Host, tmpl: TemplateMeta, name: str, *, sharing_domain: str, ram_mode: str,
               fill: RamFiller, repo: SandboxRepo, env: dict[str, str] | None = None,
               ram_backing: str = "memfd", wait_agent: bool = True, policy: str = "manual",
-              grace_s: float = 1.0) -> SandboxRecord:
+              grace_s: float = 1.0, ksm_merge: bool = False) -> SandboxRecord:
     """Start one clone of ``tmpl``; on any failure nothing of it is left behind."""
     validate_name(name, "sandbox name")
     validate_name(sharing_domain, "sharing domain")
@@ -138,7 +138,7 @@ def clone_one(host: Host, tmpl: TemplateMeta, name: str, *, sharing_domain: str,
             ident=ident, mem_mib=tmpl.mem_mib, vcpus=tmpl.vcpus, kernel=Path(tmpl.kernel),
             initrd=Path(tmpl.initrd), rootfs=Path(tmpl.rootfs), cmdline=tmpl.cmdline,
             libvirt_type=tmpl.libvirt_type, machine=tmpl.machine, incoming=True, env=env or {},
-            ram_backing=ram_backing,
+            ram_backing=ram_backing, ksm_merge=ksm_merge,
             metadata={"role": "sandbox", "template": tmpl.name, "sharing-domain": sharing_domain,
                       # Several managers (state directories) may share one libvirtd.
                       "state-dir": str(repo.cfg.state_dir),

@@ -16,8 +16,9 @@ to notice a new hook; ``azq host setup`` does that.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from azqemu.host.files import write_atomic
 
 HOOK_PATH = Path("/etc/libvirt/hooks/qemu")
 HOOK_MARK = "# azqemu copy-on-write clone hook"
@@ -61,8 +62,17 @@ def install_hook() -> bool:
         if current == HOOK_SCRIPT:
             return False
     HOOK_PATH.parent.mkdir(parents=True, exist_ok=True)
-    tmp = HOOK_PATH.with_suffix(".azq-tmp")
-    tmp.write_text(HOOK_SCRIPT)
-    os.chmod(tmp, 0o755)
-    os.replace(tmp, HOOK_PATH)
+    write_atomic(HOOK_PATH, HOOK_SCRIPT, 0o755)
+    return True
+
+
+def remove_hook() -> bool:
+    """Remove the hook if it is azqemu's; True if it was there (libvirtd must restart)."""
+    try:
+        current = HOOK_PATH.read_text()
+    except FileNotFoundError:
+        return False
+    if HOOK_MARK not in current:
+        return False
+    HOOK_PATH.unlink()
     return True

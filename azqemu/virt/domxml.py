@@ -47,14 +47,20 @@ class DomainSpec:
     ram_backing: str = "memfd"   # "memfd" (shared) | "file-private" (copy-on-write of a file)
     env: dict[str, str] = field(default_factory=dict)
     console_log: Path | None = None
+    # KSM may merge this domain's pages only where the policy asks for it (the Linux
+    # configuration): KSM across sandboxes, tenants included, is a known side channel, and
+    # KSM on for any reason on the host must not merge azqemu's sandboxes behind our back.
+    ksm_merge: bool = False
 
 
 def build(spec: DomainSpec) -> str:
     ident = spec.ident
+    # <nosharepages/> is QEMU's mem-merge=off: no MADV_MERGEABLE on guest RAM.
+    no_ksm = [] if spec.ksm_merge else [E.nosharepages()]
     if spec.ram_backing == "memfd":
-        backing = E.memoryBacking(E.source(type="memfd"), E.access(mode="shared"))
+        backing = E.memoryBacking(*no_ksm, E.source(type="memfd"), E.access(mode="shared"))
     elif spec.ram_backing == "file-private":
-        backing = E.memoryBacking(E.source(type="file"), E.access(mode="private"))
+        backing = E.memoryBacking(*no_ksm, E.source(type="file"), E.access(mode="private"))
     else:
         raise ValueError(f"unknown RAM backing {spec.ram_backing!r}")
     cpu = E.cpu(mode="host-passthrough") if spec.libvirt_type == "kvm" else E.cpu(E.model("qemu64"), mode="custom", match="exact")

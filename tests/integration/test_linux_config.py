@@ -8,6 +8,7 @@ module fixture checks that at the end, even when a test failed.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -150,6 +151,29 @@ def test_recover_after_a_crash(host_before: HostSnapshot, tmp_path: Path) -> Non
         assert LinuxConfig.recover(tmp_path) is True
     assert before.diff(HostSnapshot.take()) == []
     assert LinuxConfig.recover(tmp_path) is False
+
+
+def test_doctor_warns_and_host_recover_restores(host_before: HostSnapshot) -> None:
+    """A benchmark killed with SIGKILL leaves its settings: doctor says so, 'azq host recover'
+    puts the host back (the record in /run, where benchmarks write it)."""
+    script = textwrap.dedent("""
+        import os, signal
+        from azqemu.host.linuxmm import LinuxConfig
+        LinuxConfig(zram_disksize_bytes=32 << 20).setup()
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    before = HostSnapshot.take()
+    assert subprocess.run([sys.executable, "-c", script]).returncode == -9
+    try:
+        doc = subprocess.run([sys.executable, "-m", "azqemu", "doctor", "--json"], capture_output=True, text=True)
+        baseline = next(c for c in json.loads(doc.stdout) if c["name"] == "baseline")
+        assert baseline["verdict"] == "warn" and "azq host recover" in baseline["advice"]
+    finally:
+        r = subprocess.run([sys.executable, "-m", "azqemu", "host", "recover"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.startswith("Linux configuration restored"), r.stderr
+    assert before.diff(HostSnapshot.take()) == []
+    r = subprocess.run([sys.executable, "-m", "azqemu", "host", "recover"], capture_output=True, text=True)
+    assert (r.returncode, r.stdout.strip()) == (0, "nothing to recover")
 
 
 def test_sigterm_tears_down(host_before: HostSnapshot, tmp_path: Path) -> None:

@@ -48,6 +48,12 @@ def test_clone_four_exec_isolation_and_destroy(template: str, azq) -> None:
     listed = azq("list", "--json", check=True).stdout
     for n in names:
         assert n in listed
+    # KSM never merges these sandboxes' pages (only the linux policy's): QEMU runs with
+    # mem-merge=off from <nosharepages/>.
+    import json as json_mod
+
+    pid = next(r["qemu_pid"] for r in json_mod.loads(listed) if r["name"] == "iso-0")
+    assert "mem-merge=off" in Path(f"/proc/{pid}/cmdline").read_bytes().decode().replace("\0", " ")
     for n in names:
         azq("destroy", n, check=True)
     cfg = config_mod.load()

@@ -390,6 +390,18 @@ def test_other_users_cannot_connect(guest: Guest, built: Built) -> None:
     assert out.stdout.strip() == "EACCES", out.stderr
 
 
+def test_qemus_own_uid_is_refused(guest: Guest) -> None:
+    """Every QEMU runs as the same user: a process with that uid (another sandbox's QEMU that
+    a guest escaped into) can open the socket but must not get the uffd or the RAM fd."""
+    code = ("import socket,sys\ns=socket.socket(socket.AF_UNIX,socket.SOCK_SEQPACKET)\n"
+            "s.connect(sys.argv[1])\nprint(s.recv(4096).decode().strip())\n")  # refused before any request
+    out = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+                          sys.executable, "-c", code, guest.socket_path],
+                         capture_output=True, text=True, timeout=30)
+    assert out.stdout.strip() == f"AZQ1 ERR 13 EACCES peer uid {NOBODY} is not root (only the manager is served)", \
+        out.stderr
+
+
 def test_process_without_shared_ram(built: Built) -> None:
     sock = str(built.sockdir / "noram.sock")
     proc = subprocess.Popen(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "env",

@@ -3,7 +3,7 @@
 Prints figures, asserts nothing. Run:
 
     .venv/bin/python -m pytest -s tests/perf/test_codec_perf.py
-    .venv/bin/python tests/perf/test_codec_perf.py [--quick] [--json]
+    .venv/bin/python -m tests.perf.test_codec_perf [--quick] [--json]
 
 Images: a template spanning 256 MiB (60% data) built from host files (ELF, .pyc, text) and
 synthetic heap pages, and 4 sandboxes of 30,000 resident pages each (117 MiB) with DESIGN.md's

@@ -32,10 +32,10 @@ class FakeClone:
 
     def __call__(self, host: Any, tmpl: TemplateMeta, name: str, *, sharing_domain: str, ram_mode: str,
                  fill: Any, repo: SandboxRepo, env: dict[str, str], ram_backing: str, policy: str,
-                 grace_s: float) -> SandboxRecord:
+                 grace_s: float, ksm_merge: bool = False) -> SandboxRecord:
         with self._lock:
             self.calls.append({"name": name, "ram_mode": ram_mode, "ram_backing": ram_backing, "policy": policy,
-                               "env": env})
+                               "env": env, "ksm_merge": ksm_merge})
         if name in self.fail:
             raise VirtError(f"cannot start {name}")
         dom = host.add(name, self.meta_of(template=tmpl.name, ram_mode=ram_mode, sharing_domain=sharing_domain))
@@ -68,6 +68,9 @@ def test_batch_names_skip_taken_ones_and_get_scheduling_state(life: Lifecycle, r
         st = registry.sched[n]
         assert st.policy.name == "none-cow" and st.grace_s == 2.5
         assert registry.record(n).policy == "none-cow"
+    assert {c["ksm_merge"] for c in clone.calls} == {False}   # KSM merges only the linux policy's
+    life.clone_batch("base", count=1, policy="linux", name_prefix="lx-")
+    assert clone.calls[-1]["name"] == "lx-0" and clone.calls[-1]["ksm_merge"] is True
 
 
 def test_failed_clone_removes_the_whole_batch(life: Lifecycle, registry: Registry, host: Any,

@@ -50,3 +50,13 @@ def test_preload_env_is_passed_through_qemu_env() -> None:
     root = etree.fromstring(domxml.build(_spec("c2", env={"LD_PRELOAD": "/x.so"})).encode())
     envs = {e.get("name"): e.get("value") for e in root.iter(f"{{{domxml.QEMU_NS}}}env")}
     assert envs == {"LD_PRELOAD": "/x.so"}
+
+
+def test_ksm_merges_a_domain_only_when_its_policy_asks() -> None:
+    for backing in ("memfd", "file-private"):
+        root = etree.fromstring(domxml.build(_spec("k1", ram_backing=backing)).encode())
+        assert root.find("memoryBacking/nosharepages") is not None
+        # libvirt's schema order: nosharepages before source and access.
+        assert [c.tag for c in root.find("memoryBacking")] == ["nosharepages", "source", "access"]
+    root = etree.fromstring(domxml.build(_spec("k2", ram_backing="file-private", ksm_merge=True)).encode())
+    assert root.find("memoryBacking/nosharepages") is None
