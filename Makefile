@@ -9,10 +9,11 @@ PY := $(VENV)/bin/python
 AZQ := $(VENV)/bin/azq
 APT_PACKAGES := qemu-system-x86 qemu-utils libvirt-daemon-system libvirt-clients libvirt-dev \
 	pkg-config debootstrap e2fsprogs busybox-static cpio kmod zstd xz-utils gcc make \
-	python3-venv liblzo2-dev util-linux iproute2 procps tini
+	python3-venv liblzo2-dev util-linux iproute2 procps tini prometheus
+PLACEMENT_VENV := .placement-venv
 PYTEST_ARGS ?=
 
-.PHONY: all deps venv lib image host test unit integration lint demo perf clean
+.PHONY: all deps venv placement-venv lib image host test unit integration lint demo perf clean
 
 all: venv lib
 
@@ -22,6 +23,9 @@ deps: .deps.stamp
 	if [ -n "$$missing" ]; then \
 		echo "installing: $$missing"; \
 		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing; \
+		case "$$missing" in *prometheus*) \
+			/etc/init.d/prometheus status >/dev/null 2>&1 && /etc/init.d/prometheus stop || true;; \
+		esac; \
 	fi
 	@touch $@
 
@@ -30,6 +34,14 @@ $(VENV)/.stamp: pyproject.toml .deps.stamp
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
+	@touch $@
+
+# OpenStack Placement for the integration tests (tests/support/services.py), in a venv of its
+# own: its pins must not meet the project's.
+placement-venv: $(PLACEMENT_VENV)/.stamp
+$(PLACEMENT_VENV)/.stamp: .deps.stamp
+	test -x $(PLACEMENT_VENV)/bin/python || $(PYTHON) -m venv $(PLACEMENT_VENV)
+	$(PLACEMENT_VENV)/bin/pip install -q openstack-placement
 	@touch $@
 
 # The userfaultfd export library loaded into QEMU, and the page codec's C loops (optional:
@@ -54,10 +66,10 @@ lint: venv
 	$(VENV)/bin/ruff check azqemu tests
 	$(VENV)/bin/mypy azqemu
 
-integration: host lib
+integration: host lib placement-venv
 	$(PY) -m pytest -q --durations=15 tests/integration $(PYTEST_ARGS)
 
-test: host lib lint
+test: host lib lint placement-venv
 	$(PY) -m pytest -q --durations=15 tests/unit tests/integration $(PYTEST_ARGS)
 
 demo: host lib
@@ -67,4 +79,4 @@ perf: host lib
 	$(PY) -m pytest -s -q tests/perf $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .deps.stamp qemu-patches/libazq_uffd.so azqemu/memory/_pagecodec.so
+	rm -rf $(VENV) $(PLACEMENT_VENV) .deps.stamp qemu-patches/libazq_uffd.so azqemu/memory/_pagecodec.so

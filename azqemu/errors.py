@@ -27,6 +27,7 @@
     │   ├── StoreForeign            not an azqemu store, or another version
     │   └── ChecksumMismatch        a decoded page does not match its checksum (``page_idx``)
     ├── RestoreError                userfaultfd export, handler or prefetch
+    ├── PlacementError              OpenStack Placement refused or could not be reached (``status``)
     └── DaemonError                 the manager daemon
         ├── DaemonUnavailable       no daemon on the socket (``socket_path``)
         └── RemoteError             an error raised in the daemon (``error_type``, ``exit_code``)
@@ -174,6 +175,12 @@ class ChecksumMismatch(StoreError):
 
 class RestoreError(AzqemuError):
     pass
+
+
+class PlacementError(AzqemuError):
+    def __init__(self, message: str, status: int | None = None) -> None:
+        self.status = status
+        super().__init__(message)
 
 
 class DaemonError(AzqemuError):

@@ -31,11 +31,15 @@ from azqemu.bench.workload import Step, Workload
 from azqemu.daemon.client import Client
 from azqemu.errors import AzqemuError, ConfigError
 from azqemu.host import memacct, procfs
+from azqemu.host.linuxmm import signals_raise
 from azqemu.image import find_image
 from azqemu.sched import policy as policy_mod
 
 log = logging.getLogger(__name__)
 
+# Sandboxes of the density benchmark are named azq-d-<policy>-N: a run destroys what an
+# earlier run that was killed left under this prefix (nothing else uses it).
+BENCH_PREFIX = "azq-d-"
 SAMPLE_S = 1.0  # the sampler runs beside the workload: sample at 1 Hz, not faster
 KSM_CONVERGE_TIMEOUT_S = 90.0
 DEFAULT_POLICIES = ("none", "none-cow", "linux", "agentzip")
@@ -73,7 +77,9 @@ class _Sampler:
         self.store: list[float] = []
         self.zram: list[float] = []
         self.manager_rss: list[float] = []
+        self.manager_anon: list[float] = []
         self.qemu_own: list[float] = []
+        self.host_cost: list[float] = []
         self.per_sandbox: dict[str, list[float]] = {n: [] for n in names}
         self.last: dict[str, Any] = {}
         self._stop = threading.Event()
@@ -94,14 +100,17 @@ class _Sampler:
         rows = r["sandboxes"]
         self.t_s.append(time.monotonic() - self._t0)
         self.owned.append(float(sum(rows[n].get("owned_bytes", 0) for n in self.names)))
-        self.qemu_own.append(float(sum(rows[n].get("qemu_own_bytes", 0) for n in self.names)))
+        qemu_own = float(sum(rows[n].get("qemu_own_bytes", 0) for n in self.names))
+        self.qemu_own.append(qemu_own)
         for n in self.names:
             self.per_sandbox[n].append(float(rows[n].get("owned_bytes", 0)))
         used = host["MemTotal"] - host["MemAvailable"]
         self.host_used.append(float(used - self.base))
+        self.host_cost.append(float(used - self.base) - qemu_own)
         self.store.append(float(r["store_bytes"]))
         self.zram.append(float(zram.get("mem_used_total", 0)))
         self.manager_rss.append(float(r["manager_rss_bytes"]))
+        self.manager_anon.append(float(r.get("manager_memory", {}).get("anon_bytes", 0)))
         self.last = rows
 
     def _run(self) -> None:
@@ -125,12 +134,18 @@ def _twa(t: list[float], y: list[float]) -> float:
 
 def _run_plan(c: Client, names: list[str], plan: list[list[Step]],
               progress: Callable[[str], None]) -> list[StepResult]:
+    """Play every sandbox's steps in its own thread. Ctrl-C (or SIGTERM, made SystemExit by
+    the caller) stops the sandboxes' threads at their next step or wait and returns at once:
+    the caller then destroys the sandboxes, which ends the tool calls still running."""
     results: list[StepResult] = []
     lock = threading.Lock()
+    stop = threading.Event()
 
     def one(i: int) -> None:
         name = names[i]
         for k, step in enumerate(plan[i]):
+            if stop.is_set():
+                return
             t0 = time.monotonic()
             try:
                 r = c.call("exec", name=name, argv=["/bin/sh", "-c", step.tool], timeout_s=step.timeout_s)
@@ -146,31 +161,54 @@ def _run_plan(c: Client, names: list[str], plan: list[list[Step]],
                                           r.get("prefetched_pages", 0), r.get("error", "")))
             # The orchestrator now waits for its LLM: say so (the strongest phase source).
             c.call("phase", name=name, phase="wait")
-            time.sleep(step.wait_s)
+            if stop.wait(step.wait_s):
+                return
         progress(f"  sandbox {i} done ({len(plan[i])} steps)")
 
-    with ThreadPoolExecutor(max_workers=len(names)) as pool:
+    pool = ThreadPoolExecutor(max_workers=len(names), thread_name_prefix="azq-density")
+    try:
         for f in [pool.submit(one, i) for i in range(len(names))]:
             f.result()
+    except BaseException:
+        stop.set()
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
     return sorted(results, key=lambda s: (s.sandbox, s.step))
 
 
+def _manager_memory(c: Client) -> dict[str, int]:
+    """The manager's RSS and its own (anonymous) memory, as the daemon reports them."""
+    r = c.call("owned", names=[])
+    return {"rss_bytes": int(r["manager_rss_bytes"]), "anon_bytes": int(r.get("manager_memory", {}).get("anon_bytes", 0))}
+
+
 def run_policy(c: Client, template: str, wl: Workload, plan: list[list[Step]], policy: str, *,
-               grace_s: float, progress: Callable[[str], None], pressure_budget_bytes: int | None) -> PolicyRun:
+               grace_s: float, progress: Callable[[str], None], pressure_budget_bytes: int | None,
+               manager_idle: dict[str, int] | None = None) -> PolicyRun:
+    """One policy's run; ``manager_idle`` is the manager before the whole density run (its
+    memory above that is the manager's cost; default: measured before this policy)."""
     pol = policy_mod.get(policy)
     n = len(plan)
     run = PolicyRun(policy)
     with ExitStack() as stack:
         baseline = hostmem.idle_baseline(duration_s=2.0)
+        at_start = _manager_memory(c)
+        idle = manager_idle or at_start
+        run.extra.update(manager_idle_rss_bytes=idle["rss_bytes"], manager_idle_anon_bytes=idle["anon_bytes"],
+                         manager_anon_at_start_bytes=at_start["anon_bytes"])
         if pol.linux_reclaim:
-            from azqemu.host.linuxmm import LinuxConfig, signals_raise, wait_ksm_converged
+            from azqemu.host.linuxmm import LinuxConfig, wait_ksm_converged
 
-            stack.enter_context(signals_raise())
             lc = stack.enter_context(LinuxConfig())
             run.extra["zram_algorithm"] = lc.algorithm
         progress(f"[{policy}] cloning {n} sandboxes ({pol.clone_mode})")
         t0 = time.monotonic()
-        rows = c.call("clone", template=template, count=n, name_prefix=f"azq-d-{_short(policy)}-",
+        prefix = f"{BENCH_PREFIX}{_short(policy)}-"
+        # Registered before the clone call: an interrupt while the daemon clones leaves
+        # sandboxes the reply never named; they are found by their prefix.
+        stack.callback(_destroy_prefixed, c, prefix)
+        rows = c.call("clone", template=template, count=n, name_prefix=prefix,
                       policy=policy, grace_s=grace_s, sharing_domain="bench")
         names = [r["name"] for r in rows]
         stack.callback(_destroy_all, c, names)
@@ -192,15 +230,29 @@ def run_policy(c: Client, template: str, wl: Workload, plan: list[list[Step]], p
         last = sampler.last
         run.extra["compress_s_total"] = float(sum(last.get(x, {}).get("compress_s_total", 0.0) for x in names))
         run.extra["restore_s_total"] = float(sum(last.get(x, {}).get("restore_s_total", 0.0) for x in names))
+        run.extra["compress_cpu_s_total"] = float(sum(last.get(x, {}).get("compress_cpu_s_total", 0.0)
+                                                      for x in names))
         run.series = {"t_s": sampler.t_s, "owned_bytes": sampler.owned, "host_used_bytes": sampler.host_used,
                       "store_bytes": sampler.store, "zram_bytes": sampler.zram,
-                      "manager_rss_bytes": sampler.manager_rss, "qemu_own_bytes": sampler.qemu_own}
+                      "manager_rss_bytes": sampler.manager_rss, "qemu_own_bytes": sampler.qemu_own,
+                      "host_cost_bytes": sampler.host_cost, "manager_anon_bytes": sampler.manager_anon}
     return run
 
 
 def _short(policy: str) -> str:
     return {"none": "n", "none-cow": "c", "linux": "l", "agentzip": "a", "agentzip-no-prefetch": "anp",
             "agentzip-no-sibling": "ans", "agentzip-pressure": "ap"}.get(policy, policy[:4])
+
+
+def _destroy_prefixed(c: Client, prefix: str) -> None:
+    """Destroy every sandbox whose name has this benchmark prefix (what a killed or
+    interrupted run left behind)."""
+    try:
+        left = [s["name"] for s in c.call("list") if s["name"].startswith(prefix)]
+    except AzqemuError as exc:
+        log.warning("cannot list sandboxes to clean up: %s", exc)
+        return
+    _destroy_all(c, left)
 
 
 def _destroy_all(c: Client, names: list[str]) -> None:
@@ -212,11 +264,17 @@ def _destroy_all(c: Client, names: list[str]) -> None:
 
 
 def summarize(wl: Workload, sandboxes: int, runs: list[PolicyRun], template_bytes: int) -> dict[str, Any]:
-    """The result in the stable JSON contract (DESIGN.md), plus series and per-step details."""
+    """The result in the stable JSON contract (DESIGN.md), plus series and per-step details.
+
+    Host cost (the headline) = host memory in use above the idle baseline minus QEMU's own
+    non-guest memory summed over the policy's domains, sample by sample."""
     policies: dict[str, Any] = {}
     for run in runs:
         s = run.series
         lat = [st.latency_s for st in run.steps]
+        cost = s.get("host_cost_bytes") or [h - q for h, q in zip(s["host_used_bytes"], s["qemu_own_bytes"])]
+        anon = s.get("manager_anon_bytes") or []
+        idle_anon = float(run.extra.get("manager_idle_anon_bytes", 0))
         policies[run.policy] = {
             "owned_bytes_avg": _twa(s["t_s"], s["owned_bytes"]),
             "owned_bytes_peak": float(max(s["owned_bytes"])) if s["owned_bytes"] else float("nan"),
@@ -229,11 +287,17 @@ def summarize(wl: Workload, sandboxes: int, runs: list[PolicyRun], template_byte
             "store_bytes_avg": _twa(s["t_s"], s["store_bytes"]),
             "zram_bytes_avg": _twa(s["t_s"], s["zram_bytes"]),
             "manager_rss_bytes_avg": _twa(s["t_s"], s["manager_rss_bytes"]),
+            "host_cost_bytes_avg": _twa(s["t_s"], cost),
+            "host_cost_bytes_peak": float(max(cost)) if cost else float("nan"),
+            "manager_anon_bytes_avg": _twa(s["t_s"], anon) if anon else float("nan"),
+            "manager_anon_above_idle_bytes_avg": _twa(s["t_s"], anon) - idle_anon if anon else float("nan"),
+            "compress_cpu_s_total": run.extra.get("compress_cpu_s_total", 0.0),
             "tool_latencies_s": lat,
             "failed_steps": sum(1 for st in run.steps if st.exit_code != 0),
             "steps": [st.__dict__ for st in run.steps],
             "series": s,
-            **{k: v for k, v in run.extra.items() if k not in ("compress_s_total", "restore_s_total")},
+            **{k: v for k, v in run.extra.items()
+               if k not in ("compress_s_total", "restore_s_total", "compress_cpu_s_total")},
         }
     return {"workload": wl.name, "sandboxes": sandboxes, "policies": policies, "template_bytes": template_bytes}
 
@@ -260,19 +324,36 @@ def run_density(wl: Workload, sandboxes: int, policies: list[str], *, seed: int 
         policy_mod.get(p)
     if len(set(policies)) != len(policies):
         raise ConfigError("a policy is named twice")
+    # SIGTERM and SIGHUP end the run like Ctrl-C: sandboxes destroyed, the host put back.
+    with signals_raise():
+        return _run_density(wl, sandboxes, policies, seed=seed, scale=scale, grace_s=grace_s,
+                            pressure_budget_bytes=pressure_budget_bytes, progress=progress)
+
+
+def _run_density(wl: Workload, sandboxes: int, policies: list[str], *, seed: int, scale: str,
+                 grace_s: float, pressure_budget_bytes: int | None,
+                 progress: Callable[[str], None]) -> dict[str, Any]:
     c = Client()
+    left = [s["name"] for s in c.call("list") if s["name"].startswith(BENCH_PREFIX)]
+    if left:
+        progress(f"destroying {len(left)} sandboxes an earlier benchmark run left behind")
+        _destroy_all(c, left)
     template = ensure_workload_template(c, wl, progress)
     tmeta = next(t for t in c.call("template_list") if t["name"] == template)
     plan = wl.plan(sandboxes, seed, scale)
     if pressure_budget_bytes is None:
         # Budget for the pressure ablation: half of what the sandboxes hold uncompressed.
         pressure_budget_bytes = sandboxes * tmeta["ram_data_bytes"] // 2
+    manager_idle = _manager_memory(c)      # before any sandbox of this run
     runs = []
     for p in policies:
         runs.append(run_policy(c, template, wl, plan, p, grace_s=grace_s, progress=progress,
-                               pressure_budget_bytes=pressure_budget_bytes))
+                               pressure_budget_bytes=pressure_budget_bytes, manager_idle=manager_idle))
         progress(f"[{p}] done: {runs[-1].extra.get('run_s', 0):.0f} s")
-    return summarize(wl, sandboxes, runs, tmeta["ram_data_bytes"])
+    result = summarize(wl, sandboxes, runs, tmeta["ram_data_bytes"])
+    # The manager before the run and once every sandbox of it is gone (it should be back).
+    result["manager_idle"], result["manager_after"] = manager_idle, _manager_memory(c)
+    return result
 
 
 def ensure_workload_template(c: Client, wl: Workload, progress: Callable[[str], None]) -> str:

@@ -12,12 +12,15 @@ Optional keys this module understands (added, never renamed):
     policies[P]["series"] = {"t_s": [...], "owned_bytes": [...], "host_used_bytes": [...]}
         owned_bytes summed over the sandboxes at each sample (memory-over-time plot);
     policies[P]["tool_latencies_s"] = [...]  every tool call's latency (CDF plot);
-    policies[P]["qemu_own_bytes_avg"], result["template_bytes"], result["seed"], result["scale"].
+    policies[P]["qemu_own_bytes_avg"], result["template_bytes"], result["seed"], result["scale"];
+    policies[P]["host_cost_bytes_avg"], ["host_cost_bytes_peak"] (host used above idle minus
+    QEMU's own memory), ["manager_anon_above_idle_bytes_avg"], ["compress_cpu_s_total"].
 
 Ratios are against both no-compression baselines: ``none`` (full-copy clones) and
-``none-cow`` (copy-on-write clones, the stronger one): ratio = baseline owned / policy owned,
-so 4.0 means the policy needs a quarter of the memory. Slowdown = policy median tool latency /
-none-cow's.
+``none-cow`` (copy-on-write clones, the stronger one): ratio = baseline host cost / policy
+host cost (owned where a result has no host cost; the owned ratios are kept beside them as
+``owned_ratio_vs_*``), so 4.0 means the policy needs a quarter of the memory. Slowdown =
+policy median tool latency / none-cow's.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ NIGHTLY_METRICS: dict[str, tuple[str, float]] = {
     "owned_bytes_avg": ("higher", 1 * MIB),
     "owned_bytes_peak": ("higher", 1 * MIB),
     "host_used_bytes_avg": ("higher", 1 * MIB),
+    "host_cost_bytes_avg": ("higher", 1 * MIB),
     "tool_latency_s.median": ("higher", 0.05),
     "tool_latency_s.p95": ("higher", 0.05),
     "ratio_vs_none": ("lower", 0.05),
@@ -85,16 +89,28 @@ def _get(pol: dict[str, Any], metric: str) -> float | None:
     return float(cur) if isinstance(cur, (int, float)) and not isinstance(cur, bool) else None
 
 
+def _ratio(b: float | None, p: float | None) -> float | None:
+    return b / p if b is not None and p is not None and b > 0 and p > 0 else None
+
+
+def cost_basis(result: dict[str, Any]) -> str:
+    """The figure the memory ratios are taken on: host cost when every policy has it."""
+    pols = result["policies"].values()
+    return "host_cost_bytes_avg" if all(_get(p, "host_cost_bytes_avg") is not None for p in pols) \
+        else "owned_bytes_avg"
+
+
 def ratios(result: dict[str, Any]) -> dict[str, dict[str, float | None]]:
-    """Per policy: ratio_vs_none, ratio_vs_none_cow (memory), slowdown_vs_none_cow (latency)."""
+    """Per policy: ratio_vs_none, ratio_vs_none_cow (memory: host cost, see cost_basis),
+    owned_ratio_vs_none, owned_ratio_vs_none_cow, slowdown_vs_none_cow (latency)."""
     pols = result["policies"]
+    basis = cost_basis(result)
     out: dict[str, dict[str, float | None]] = {}
     for name, pol in pols.items():
         row: dict[str, float | None] = {}
         for base, key in (("none", "ratio_vs_none"), ("none-cow", "ratio_vs_none_cow")):
-            b = _get(pols.get(base, {}), "owned_bytes_avg")
-            p = _get(pol, "owned_bytes_avg")
-            row[key] = b / p if b is not None and p else None
+            row[key] = _ratio(_get(pols.get(base, {}), basis), _get(pol, basis))
+            row[f"owned_{key}"] = _ratio(_get(pols.get(base, {}), "owned_bytes_avg"), _get(pol, "owned_bytes_avg"))
         b = _get(pols.get("none-cow", {}), "tool_latency_s.median")
         p = _get(pol, "tool_latency_s.median")
         row["slowdown_vs_none_cow"] = p / b if b and p is not None else None
@@ -111,7 +127,7 @@ def with_ratios(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def _mib_cell(x: float | None) -> str:
-    return "—" if x is None else fmt_mib(x, thousands=True, unit=False)
+    return "—" if x is None or not math.isfinite(x) else fmt_mib(x, thousands=True, unit=False)
 
 
 def _x(x: float | None) -> str:
@@ -119,11 +135,16 @@ def _x(x: float | None) -> str:
 
 
 def _s(x: float | None) -> str:
-    return "—" if x is None else f"{x:.2f}"
+    return "—" if x is None or not math.isfinite(x) else f"{x:.2f}"
 
 
-HEADERS = ("policy", "owned avg MiB", "owned peak MiB", "host used avg MiB", "vs none", "vs none-cow",
-           "tool median s", "tool p95 s", "slowdown", "compress s", "restore s")
+HEADERS = ("policy", "host cost avg MiB", "host cost peak MiB", "vs none", "vs none-cow", "owned avg MiB",
+           "owned peak MiB", "host used avg MiB", "QEMU own MiB/sandbox", "manager anon +MiB",
+           "tool median s", "tool p95 s", "slowdown", "compress s", "compress CPU s", "restore s")
+
+QEMU_NOTE = ("QEMU's own memory (the process minus guest RAM) is set aside from host cost: it is the "
+             "same for every policy, and here (TCG) mostly the translation cache; a KVM QEMU's own "
+             "memory is a few tens of MiB.")
 
 
 def table_rows(result: dict[str, Any]) -> list[list[str]]:
@@ -132,11 +153,14 @@ def table_rows(result: dict[str, Any]) -> list[list[str]]:
     for name in ordered_policies(result):
         pol = result["policies"][name]
         rows.append([
-            name, _mib_cell(_get(pol, "owned_bytes_avg")), _mib_cell(_get(pol, "owned_bytes_peak")),
-            _mib_cell(_get(pol, "host_used_bytes_avg")),
+            name, _mib_cell(_get(pol, "host_cost_bytes_avg")), _mib_cell(_get(pol, "host_cost_bytes_peak")),
             _x(r[name]["ratio_vs_none"]), _x(r[name]["ratio_vs_none_cow"]),
+            _mib_cell(_get(pol, "owned_bytes_avg")), _mib_cell(_get(pol, "owned_bytes_peak")),
+            _mib_cell(_get(pol, "host_used_bytes_avg")), _mib_cell(_get(pol, "qemu_own_bytes_avg")),
+            _mib_cell(_get(pol, "manager_anon_above_idle_bytes_avg")),
             _s(_get(pol, "tool_latency_s.median")), _s(_get(pol, "tool_latency_s.p95")),
-            _x(r[name]["slowdown_vs_none_cow"]), _s(_get(pol, "compress_s_total")), _s(_get(pol, "restore_s_total")),
+            _x(r[name]["slowdown_vs_none_cow"]), _s(_get(pol, "compress_s_total")),
+            _s(_get(pol, "compress_cpu_s_total")), _s(_get(pol, "restore_s_total")),
         ])
     return rows
 
@@ -151,20 +175,24 @@ def markdown_table(result: dict[str, Any]) -> str:
     lines = [f"### {_title(result)}", "", "| " + " | ".join(HEADERS) + " |",
              "|" + "|".join(["---"] + ["---:"] * (len(HEADERS) - 1)) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in table_rows(result)]
-    notes = ["Owned: what the host spends on the sandboxes beyond what they all share, averaged over "
-             "the run (tool phases and waits); ratios are baseline owned / policy owned; slowdown is "
-             "the median tool-call latency over none-cow's."]
+    on = "host cost" if cost_basis(result) == "host_cost_bytes_avg" else "owned (no host cost in this result)"
+    notes = ["Host cost: host memory in use above idle minus QEMU's own memory, averaged over the run "
+             "(tool phases and waits); it holds every resident guest page, the manager above idle, the "
+             "store, zram and KSM. Owned: what the host spends on the sandboxes beyond what they all "
+             f"share. Ratios are baseline / policy on {on}; slowdown is the median tool-call latency "
+             "over none-cow's. Manager anon: the manager's own memory above the idle manager.", QEMU_NOTE]
     if "template_bytes" in result:
         notes.append(f"Template RAM image, counted once: {_mib_cell(float(result['template_bytes']))} MiB.")
     own = {n: _get(p, "qemu_own_bytes_avg") for n, p in result["policies"].items()}
     if any(v is not None for v in own.values()):
         vals = [v for v in own.values() if v is not None]
-        notes.append("QEMU's own memory per sandbox (not in owned): "
+        notes.append("QEMU's own memory per sandbox (not in owned or host cost): "
                      f"{_mib_cell(min(vals))}-{_mib_cell(max(vals))} MiB.")
     return "\n".join(lines + [""] + notes) + "\n"
 
 
-RICH_HEADERS = ("policy", "owned", "peak", "host", "×none", "×cow", "p50 s", "p95 s", "slow", "comp s", "rest s")
+RICH_HEADERS = ("policy", "cost", "peak", "×none", "×cow", "owned", "qemu", "mgr+", "p50 s", "p95 s", "slow",
+                "cpu")
 
 
 def rich_table(result: dict[str, Any]) -> Any:
@@ -173,8 +201,11 @@ def rich_table(result: dict[str, Any]) -> Any:
     from rich.table import Table
     validate(result)
     table = Table(title=_title(result), box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
-                  padding=(0, 1), collapse_padding=True, caption="MiB averaged over the run (peak: max); ×: baseline owned / "
-                  "policy owned; slow: median tool latency / none-cow's")
+                  padding=(0, 1), collapse_padding=True,
+                  caption="MiB averaged over the run (peak: max). cost: host used above idle minus QEMU's own "
+                  "memory (qemu, per sandbox: set aside, TCG's translation cache here, a few tens of MiB under "
+                  "KVM); ×: baseline cost / policy cost; mgr+: the manager's own (anon) memory above idle; "
+                  "slow: median tool latency / none-cow's; cpu: compression CPU s")
     for k, h in enumerate(RICH_HEADERS):
         table.add_column(h, justify="left" if k == 0 else "right", no_wrap=True)
     r = ratios(result)
@@ -183,16 +214,16 @@ def rich_table(result: dict[str, Any]) -> Any:
 
         def mib(key: str, pol: dict[str, Any] = pol) -> str:
             v = _get(pol, key)
-            return "—" if v is None else fmt_mib(v, 0, thousands=True, unit=False)
+            return "—" if v is None or not math.isfinite(v) else fmt_mib(v, 0, thousands=True, unit=False)
 
         def x(v: float | None) -> str:
             return "—" if v is None else f"{v:.1f}×"
 
-        table.add_row(name, mib("owned_bytes_avg"), mib("owned_bytes_peak"), mib("host_used_bytes_avg"),
+        table.add_row(name, mib("host_cost_bytes_avg"), mib("host_cost_bytes_peak"),
                       x(r[name]["ratio_vs_none"]), x(r[name]["ratio_vs_none_cow"]),
+                      mib("owned_bytes_avg"), mib("qemu_own_bytes_avg"), mib("manager_anon_above_idle_bytes_avg"),
                       _s(_get(pol, "tool_latency_s.median")), _s(_get(pol, "tool_latency_s.p95")),
-                      x(r[name]["slowdown_vs_none_cow"]), _s(_get(pol, "compress_s_total")),
-                      _s(_get(pol, "restore_s_total")))
+                      x(r[name]["slowdown_vs_none_cow"]), _s(_get(pol, "compress_cpu_s_total")))
     return table
 
 
@@ -351,6 +382,11 @@ def compare_nightly(prev: dict[str, Any], cur: dict[str, Any],
         return tolerance
 
     pr, cr = ratios(prev), ratios(cur)
+    if cost_basis(prev) != cost_basis(cur):
+        # One result has no host cost (an older run): compare the ratios both have, on owned.
+        for rows in (pr, cr):
+            for row in rows.values():
+                row["ratio_vs_none"], row["ratio_vs_none_cow"] = row["owned_ratio_vs_none"], row["owned_ratio_vs_none_cow"]
     out: list[Regression] = []
     for name in ordered_policies(prev):
         if name not in cur["policies"]:

@@ -36,8 +36,12 @@ COMMANDS: dict[str, str] = {
     "dominfo": "azqemu.cli.sandbox_cmds:dominfo",
     "daemon": "azqemu.cli.sandbox_cmds:daemon",
     "mem": "azqemu.cli.mem_cmds:mem",
+    "store": "azqemu.cli.store_cmds:store",
     "bench": "azqemu.cli.bench_cmds:bench",
     "demo": "azqemu.cli.demo_cmds:demo",
+    "capacity": "azqemu.cli.capacity_cmds:capacity",
+    "placement": "azqemu.cli.capacity_cmds:placement",
+    "events": "azqemu.cli.events_cmds:events",
 }
 
 

@@ -16,7 +16,7 @@ BENCH_TEMPLATE = "azq-bench"
 
 @click.group()
 def bench() -> None:
-    """Benchmarks (clone, restore, density)."""
+    """Benchmarks (clone, restore, density, capacity)."""
 
 
 def ensure_template(c: Client, name: str, mem_mib: int = 512) -> None:
@@ -88,7 +88,8 @@ def _progress(msg: str) -> None:
 
 @bench.command("density")
 @click.option("--workload", "workload_name", default="coding-agent", show_default=True,
-              help="A built-in workload (coding-agent, data-processing, random-data) or a workload file.")
+              help="A built-in workload (coding-agent, data-processing, random-data, long-lived-heap, "
+                   "long-tools, many-small-files) or a workload file.")
 @click.option("--sandboxes", "-n", default=16, show_default=True, type=int)
 @click.option("--policy", "policies", multiple=True,
               help="Policy to run (repeatable; default: none, none-cow, linux, agentzip).")
@@ -122,6 +123,61 @@ def bench_density(workload_name: str, sandboxes: int, policies: tuple[str, ...],
                    + "".join(f", {p}" for p in (files.memory_png, files.latency_png) if p))
     for d in diffs:
         click.echo(f"azq: warning: {d}", err=True)
+
+
+@bench.command("capacity")
+@click.option("--workload", "workload_name", default="coding-agent", show_default=True,
+              help="A built-in workload or a workload file.")
+@click.option("--fanouts", default="4,8,16", show_default=True,
+              help="Fan-outs to run, smallest first (at least two).")
+@click.option("--policy", "policies", multiple=True,
+              help="Policy to run (repeatable; default: none, none-cow, linux, agentzip).")
+@click.option("--budget", default="auto", show_default=True,
+              help="Memory budget: bytes, a size (16G, 512M) or auto (MemAvailable at start).")
+@click.option("--scale", default="full", show_default=True, help="Workload scale: full or small.")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--grace", "grace_s", default=1.0, show_default=True, type=float,
+              help="Seconds of LLM wait before a policy compresses or reclaims.")
+@click.option("--out", "out_dir", default=None, help="Directory for JSON, markdown and the PNG plot.")
+@click.option("--json", "as_json", is_flag=True, help="Print the JSON result instead of the table.")
+@click.option("--from", "from_dir", default=None,
+              help="Fit again from an earlier sweep's --out directory (its density-nN.json): run nothing.")
+def bench_capacity(workload_name: str, fanouts: str, policies: tuple[str, ...], budget: str, scale: str,
+                   seed: int, grace_s: float, out_dir: str | None, as_json: bool, from_dir: str | None) -> None:
+    """Run the density benchmark at increasing fan-outs, fit host cost = fixed + marginal x N per
+    policy, and say how many sandboxes fit in the budget (on host cost, and with QEMU's own memory)."""
+    from pathlib import Path
+
+    from azqemu.bench import capacity, density, report
+    from azqemu.bench.workload import load
+
+    wl = load(workload_name)
+    ns = capacity.parse_fanouts(fanouts)
+    budget_bytes = capacity.parse_budget(budget)
+    pols = list(policies) or list(density.DEFAULT_POLICIES)
+    out = Path(out_dir or f"results/capacity-{time.strftime('%Y%m%d-%H%M%S')}")
+
+    def keep(n: int, result: dict) -> None:
+        report.write_report(result, out, prefix=f"density-n{n}")
+
+    if from_dir:
+        result = capacity.refit(Path(from_dir), budget_bytes)
+        out = Path(out_dir or from_dir)
+    else:
+        with ensure_daemon():
+            result = capacity.run_capacity(wl, ns, pols, budget_bytes=budget_bytes, seed=seed, scale=scale,
+                                           grace_s=grace_s, progress=_progress, on_density=keep)
+    files = capacity.write_report(result, out)
+    if as_json:
+        click.echo(capacity.to_json(result), nl=False)
+    else:
+        capacity.print_table(result)
+        click.echo(f"written: {files.json}, {files.markdown}" + (f", {files.png}" if files.png else ""))
+    failed = {p: v["failed_steps"] for p, v in result["policies"].items() if v.get("failed_steps")}
+    if failed:
+        click.echo(f"azq: warning: failed steps {failed}", err=True)
+    for w in capacity.warnings(result):
+        click.echo(f"azq: warning: {w}", err=True)
 
 
 @bench.command("nightly")

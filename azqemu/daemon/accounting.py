@@ -18,7 +18,7 @@ import psutil
 from azqemu.daemon.memsvc import MemoryService
 from azqemu.daemon.registry import Registry
 from azqemu.errors import AzqemuError, DomainNotFound
-from azqemu.host import memacct, procfs
+from azqemu.host import memacct, procfs, selfmem
 from azqemu.virt.clones import SandboxRecord
 from azqemu.virt.host import Domain
 
@@ -89,6 +89,7 @@ class Accounting:
         tmpl = templates.get(rec.template) if templates.exists(rec.template) else None
         if tmpl:
             d.update(mem_mib=tmpl.mem_mib, vcpus=tmpl.vcpus, machine=tmpl.machine, accel=tmpl.accel)
+        d["manager_memory"] = selfmem.self_memory()
         return d
 
     def owned(self, name: str, store_overhead: float = 1.0) -> dict[str, Any]:
@@ -127,6 +128,7 @@ class Accounting:
         return out | {"owned_bytes": int(owned), "resident_bytes": int(resident), "stored_bytes": int(stored),
                       "qemu_own_bytes": self.qemu_own_bytes(name, pid, rec.ram_mode, vma),
                       "compress_s_total": mem.compress_s_total if mem else 0.0,
+                      "compress_cpu_s_total": self.memory.compress_cpu_s.get(name, 0.0),
                       "restore_s_total": mem.restore_s_total if mem else 0.0}
 
     def qemu_own_bytes(self, name: str, pid: int, ram_mode: str, vma: dict[str, int] | None) -> int:
@@ -143,7 +145,9 @@ class Accounting:
         return value
 
     def owned_all(self, names: list[str] | None = None) -> dict[str, Any]:
-        """Owned bytes of sandboxes (all by default), the store's total and the manager's RSS."""
+        """Owned bytes of sandboxes (all by default), the store's total and the manager's
+        memory: its RSS, and its parts (``manager_memory``): anon is the manager's own; file
+        and shmem are shared page cache it maps (the template images, its code)."""
         names = names if names is not None else [r.name for r in self.reg.sandboxes.list()]
         # The store's arenas as tmpfs holds them (dead bytes not yet punched or compacted
         # included): host memory. Those dead bytes are nobody's, so every sandbox's store
@@ -162,4 +166,5 @@ class Accounting:
             except AzqemuError as exc:
                 rows[n] = {"name": n, "error": str(exc)}
         return {"sandboxes": rows, "store_bytes": store_bytes, "store_live_bytes": store_live,
-                "manager_rss_bytes": psutil.Process().memory_info().rss}
+                "manager_rss_bytes": psutil.Process().memory_info().rss,
+                "manager_memory": selfmem.self_memory()}

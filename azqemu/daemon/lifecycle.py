@@ -222,6 +222,26 @@ class Lifecycle:
         out["resume_s"] = time.perf_counter() - t0
         return out
 
+    def trim(self, name: str) -> dict[str, Any] | None:
+        """Drop the copies a running sandbox holds that still equal their stored entries
+        (SandboxMemory.trim), its vCPUs paused for the scan; None when there is nothing to
+        trim (never compressed, compressed now, or not running)."""
+        with self.reg.lock(name):
+            mem = self.memory.get(name)
+            if mem is None or name in self.reg.paused_by_azq or not self.memory.has_stored(name):
+                return None
+            dom = self.reg.domain(name)
+            if dom.state() != "running":
+                return None
+            dom.suspend()
+            try:
+                st = mem.trim()
+            finally:
+                dom.resume()
+            log.debug("%s: trimmed %d of %d copies in %.1f ms (paused)", name, st.dropped_pages,
+                      st.resident_pages, st.total_s * 1e3)
+            return asdict(st)
+
     def compress(self, name: str) -> dict[str, Any]:
         """Pause the sandbox, encode its resident RAM into the store, punch it; stays paused."""
         with self.reg.lock(name):

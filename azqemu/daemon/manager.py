@@ -30,6 +30,7 @@ from azqemu.daemon.memsvc import MemoryService
 from azqemu.daemon.reconcile import reconcile
 from azqemu.daemon.registry import Registry
 from azqemu.daemon.schedsvc import SchedService
+from azqemu.daemon.watch import DomainWatcher
 from azqemu.host import doctor
 from azqemu.sched import policy as policy_mod
 from azqemu.sched.agentlink import AgentLinks
@@ -58,11 +59,13 @@ class Manager:
         self.reconcile()
         self.scheduler = Scheduler(self.schedsvc)
         self.agent_links = AgentLinks(self.schedsvc.agent_sockets, self.schedsvc.on_agent_message)
+        self.watcher = DomainWatcher(self.registry, self.memory)  # domains stopped outside azqemu
 
     def start(self) -> None:
-        """Start the background work: the scheduler and the in-guest agent links."""
+        """Start the background work: the scheduler, the in-guest agent links, the lifecycle watcher."""
         self.scheduler.start()
         self.agent_links.start()
+        self.watcher.start()
 
     def reconcile(self) -> dict[str, list[str]]:
         """Make records agree with libvirt; returns what changed."""
@@ -71,6 +74,7 @@ class Manager:
     def close(self) -> None:
         """Stop serving faults without unregistering: QEMU keeps its uffd, so a compressed
         guest waits for the next manager instead of reading zero pages."""
+        self.watcher.stop()
         self.scheduler.stop()
         self.agent_links.stop()
         self.memory.close()
@@ -100,6 +104,7 @@ class Manager:
     def op_template_delete(self, name: str) -> None:
         with self._template_lock:
             self.registry.templates.delete(name, self.registry.clones_of(name))
+            self.memory.drop_template(name)   # its image's mapping would pin the deleted file
 
     def op_clone(self, template: str, count: int = 1, name_prefix: str | None = None,
                  sharing_domain: str = DEFAULT_SHARING_DOMAIN, names: list[str] | None = None,
@@ -131,8 +136,18 @@ class Manager:
     def op_compress(self, name: str) -> dict[str, Any]:
         return self.lifecycle.compress(name)
 
+    def op_trim(self, name: str) -> dict[str, Any] | None:
+        """Drop the copies a running sandbox holds that still equal their stored entries
+        (what the scheduler does in long tool calls); None if there is nothing to trim."""
+        self.registry.record(name)
+        return self.lifecycle.trim(name)
+
     def op_destroy(self, name: str) -> None:
         self.lifecycle.destroy(name)
+
+    def op_events(self, since: float = 0.0) -> list[dict[str, Any]]:
+        """Recent lifecycle events of sandboxes (libvirt's, and releases of ones that ended)."""
+        return self.watcher.events(float(since))
 
     def op_owned(self, names: list[str] | None = None) -> dict[str, Any]:
         return self.accounting.owned_all(names)

@@ -5,6 +5,13 @@ a ``SandboxMemory`` per sandbox whose RAM the daemon answers for (lazy clones fr
 start, the others from their first compression). It attaches and releases that memory and
 runs compress and prefetch on it; pausing and resuming the domain around them is the
 lifecycle service's part.
+
+Store entries are bound to the sandbox's domain UUID: a sandbox whose domain is gone or has
+another UUID (a reused name) has its entries freed (``free_stale`` at reconcile, ``attach``
+of a new clone, ``release`` at destroy). A store that cannot be opened is moved aside
+(``store.unreadable-<time>``, kept for inspection) and a new one started; the sandboxes it
+held are reported failed (``failed``: name -> reason) and their memory is not served from
+anywhere else (a guest waits on a lost page; it never gets a template or zero page instead).
 """
 
 from __future__ import annotations
@@ -18,8 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from azqemu import config as config_mod
+from azqemu.daemon import durations
 from azqemu.daemon.sandboxmem import SandboxMemory
-from azqemu.errors import ConfigError, StoreCorrupt, StoreForeign
+from azqemu.errors import ConfigError, StoreCorrupt, StoreError, StoreForeign
+from azqemu.host import selfmem
+from azqemu.memory.persist import STORE_FILE, read_store
 from azqemu.memory.store import PageStore
 from azqemu.memory.template import TemplateImage
 from azqemu.sched import policy as policy_mod
@@ -41,8 +51,14 @@ class MemoryService:
         self.lazy_available = lazy_available
         self._store: PageStore | None = None
         self._store_lock = threading.Lock()
-        self._template_images: dict[str, TemplateImage] = {}
+        # name -> (identity of the image file, its image): a template deleted and made again
+        # under the same name is a different file, never decoded against the old image.
+        self._template_images: dict[str, tuple[tuple[float, int, int], TemplateImage]] = {}
         self.mem: dict[str, SandboxMemory] = {}
+        self.compress_cpu_s: dict[str, float] = {}   # compressing thread's CPU time per sandbox
+        selfmem.bound_heap_caching()
+        # Sandboxes whose stored pages were lost (a quarantined store or index): name -> reason.
+        self.failed: dict[str, str] = {}
 
     # -- the store and the template images ----------------------------------------------
     @property
@@ -57,16 +73,35 @@ class MemoryService:
                 try:
                     self._store = PageStore(root)
                 except (StoreForeign, StoreCorrupt) as exc:
-                    # Refuse to guess while a running sandbox may have pages in it; otherwise
-                    # (a store of an older azqemu, a crash before any sandbox ran) start over.
-                    if self.sandboxes.list():
-                        raise
-                    stale = root.with_name(f"store.unreadable-{int(time.time())}")
-                    log.warning("%s; no sandbox uses it: moved to %s, starting a new store", exc, stale)
-                    os.rename(root, stale)
-                    shutil.rmtree(stale, ignore_errors=True)
-                    self._store = PageStore(root)
+                    self._store = self._quarantine_store(root, exc)
+                for name, reason in self._store.quarantined.items():
+                    self._fail(name, f"its stored pages are lost (index quarantined: {reason})")
             return self._store
+
+    def _quarantine_store(self, root: Path, exc: StoreError) -> PageStore:
+        """Move an unreadable store aside, start a new one, report the sandboxes it held."""
+        names: list[str] = []
+        try:
+            meta, _ = read_store(root / STORE_FILE)
+            names = [str(s["name"]) for s in meta.get("sandboxes", [])]
+        except (StoreError, KeyError, TypeError):
+            # Not even its list of sandboxes: any of ours may have had pages in it.
+            names = [r.name for r in self.sandboxes.list()]
+        stale = root.with_name(f"store.unreadable-{int(time.time())}")
+        if names:
+            log.error("%s; moved to %s (kept for inspection), starting a new store", exc, stale)
+        else:
+            log.warning("%s; no sandbox uses it: moved to %s, starting a new store", exc, stale)
+        os.rename(root, stale)
+        if not names:
+            shutil.rmtree(stale, ignore_errors=True)
+        for name in names:
+            self._fail(name, f"its stored pages are lost (store quarantined at {stale}: {exc})")
+        return PageStore(root)
+
+    def _fail(self, name: str, reason: str) -> None:
+        self.failed[name] = reason
+        log.error("sandbox %s failed: %s", name, reason)
 
     def opened_store(self) -> PageStore | None:
         """The store if it was opened (accounting must not create one to read it)."""
@@ -77,12 +112,36 @@ class MemoryService:
         return self.store_root.exists() and name in self.store.sandboxes()
 
     def template_image(self, tmpl: TemplateMeta) -> TemplateImage:
+        """The template's image: a shared read-only mapping of its tmpfs file, made once per
+        file (identity: the template's creation time and the file's device and inode)."""
+        path = self.templates.ram_path(tmpl.name)
+        st = os.stat(path)
+        ident = (tmpl.created_at, st.st_dev, st.st_ino)
         with self._store_lock:
-            img = self._template_images.get(tmpl.name)
-            if img is None:
-                img = TemplateImage(self.templates.ram_path(tmpl.name))
-                self._template_images[tmpl.name] = img
-            return img
+            cached = self._template_images.get(tmpl.name)
+            if cached is not None and cached[0] == ident:
+                return cached[1]
+            img = TemplateImage(path)
+            self._template_images[tmpl.name] = (ident, img)
+        if cached is not None:  # replaced: sandboxes still using the old image keep it alive
+            self._forget_image(cached[1], close=False)
+        return img
+
+    def drop_template(self, name: str) -> None:
+        """The template is gone: unmap its image (a mapping would pin a deleted file's pages)."""
+        with self._store_lock:
+            cached = self._template_images.pop(name, None)
+        if cached is not None:
+            self._forget_image(cached[1], close=True)
+
+    def _forget_image(self, img: TemplateImage, *, close: bool) -> None:
+        with self._store_lock:
+            in_use = any(i.template_id == img.template_id for _, i in self._template_images.values())
+        if self._store is not None and not in_use:
+            self._store.drop_template(img.template_id)
+        if close:
+            img.close()
+        selfmem.trim_heap()
 
     # -- a sandbox's memory -------------------------------------------------------------
     def get(self, name: str) -> SandboxMemory | None:
@@ -93,13 +152,21 @@ class MemoryService:
         return bool(mem is not None and mem.compressed)
 
     def attach(self, name: str, sharing_domain: str, tmpl: TemplateMeta, *,
-               lazy_clone: bool, use_siblings: bool = True) -> SandboxMemory:
+               lazy_clone: bool, use_siblings: bool = True, owner: str | None = None) -> SandboxMemory:
         """Take over a sandbox's RAM: connect to its export and, for a lazy clone or a
-        sandbox with pages in the store, start serving its faults."""
+        sandbox with pages in the store, start serving its faults.
+
+        ``owner`` is the domain UUID (default: the record's). Without one and without a
+        record this is a new clone: whatever the store holds under its name is another
+        domain's and is freed first."""
+        if owner is None and self.sandboxes.path(name).exists():
+            owner = self.sandboxes.get(name).uuid
+        if owner is None and self.has_stored(name):
+            self._free_entries(name, "a new sandbox reuses the name")
         mem = SandboxMemory(name, sharing_domain, uffd_socket=vm_paths(name, self.cfg).uffd_socket,
                             store=self.store, template=self.template_image(tmpl),
                             template_ram=self.templates.ram_path(tmpl.name), lazy_clone=lazy_clone,
-                            use_siblings=use_siblings)
+                            use_siblings=use_siblings, owner=owner)
         if lazy_clone or self.has_stored(name):
             mem.attach()
         self.mem[name] = mem
@@ -120,9 +187,46 @@ class MemoryService:
     def release(self, name: str) -> None:
         """Detach, and free the sandbox's pages and references in the store."""
         self.detach(name)
+        self.failed.pop(name, None)
+        self.compress_cpu_s.pop(name, None)
         if self.has_stored(name):
+            # Tombstoned: the domain goes after this; if the manager dies in between, the
+            # next one finds the domain running without its pages and fails it (free_stale).
+            self._free_entries(name, "destroyed", tombstone=True)
+        for gone in [n for n in list(self._template_images) if not self.templates.exists(n)]:
+            self.drop_template(gone)
+        selfmem.trim_heap()
+
+    def _free_entries(self, name: str, why: str, *, tombstone: bool = False) -> None:
+        log.info("freeing the stored pages of %s (%s)", name, why)
+        self.store.free_sandbox(name, tombstone=tombstone)
+        self.store.flush()
+
+    def free_stale(self, running: dict[str, str]) -> list[str]:
+        """Free the entries of every sandbox whose domain is gone or has another UUID than
+        the one they are bound to (``running``: name -> domain UUID). Returns their names.
+        A running domain whose pages a destroy freed (tombstone, same UUID) is failed."""
+        if not self.store_root.exists():
+            return []
+        freed = []
+        for name, owner in self.store.tombstones().items():
+            if name in running and owner in (None, running[name]):
+                self._fail(name, "a destroy freed its stored pages and was interrupted before the domain went")
+            else:
+                self.store.clear_tombstone(name)
+        for name in self.store.sandboxes():
+            owner = self.store.owner_of(name)
+            if name not in running:
+                why = "its domain is gone"
+            elif owner is not None and owner != running[name]:
+                why = f"bound to domain {owner}, the running one is {running[name]}"
+            else:
+                continue
             self.store.free_sandbox(name)
-            self.store.flush()
+            log.info("freeing the stored pages of %s (%s)", name, why)
+            freed.append(name)
+        self.store.flush()     # nothing to write if nothing changed
+        return freed
 
     def compress(self, rec: SandboxRecord) -> dict[str, Any]:
         """Encode the sandbox's resident RAM into the store and punch it (vCPUs paused)."""
@@ -130,13 +234,23 @@ class MemoryService:
         if mem is None:
             mem = self.attach(rec.name, rec.sharing_domain, self.templates.get(rec.template),
                               lazy_clone=rec.ram_mode == "lazy",
-                              use_siblings=policy_mod.get(rec.policy).use_siblings)
-        st = mem.compress()
+                              use_siblings=policy_mod.get(rec.policy).use_siblings, owner=rec.uuid)
+        if mem.owner is None:
+            mem.owner = rec.uuid     # attached at clone time, before the record existed
+        cpu0 = time.thread_time()
+        try:
+            st = mem.compress()
+        finally:
+            self.compress_cpu_s[rec.name] = self.compress_cpu_s.get(rec.name, 0.0) + time.thread_time() - cpu0
+            mem.template.drop_mapped()
+            selfmem.trim_heap()
+        durations.COMPRESS_SECONDS.observe(st.total_s)
         return {"name": rec.name, "resident_pages": st.resident_pages, "stored_pages": st.stored_pages,
                 "raw_pages": st.raw_pages, "pages": st.pages_by_kind, "bytes": st.bytes_by_kind,
                 "hot_pages": st.hot_pages, "mapped_pages": st.mapped_pages, "scan_s": st.scan_s,
                 "encode_s": st.encode_s, "punch_s": st.punch_s, "total_s": st.total_s,
-                "cancelled": st.cancelled, "stored_bytes": mem.stored_bytes(),
+                "cancelled": st.cancelled, "unchanged_pages": st.unchanged_pages,
+                "stored_bytes": mem.stored_bytes(),
                 "resident_bytes": mem.resident_bytes()}
 
     def prefetch(self, name: str, *, hot: bool) -> dict[str, Any]:
@@ -145,6 +259,7 @@ class MemoryService:
         if mem is None or not mem.compressed:
             return {}
         st = mem.prefetch(hot=hot)
+        durations.RESTORE_SECONDS.observe(st.total_s)
         return {"prefetched_pages": st.prefetched_pages, "prefetch_s": st.prefetch_s,
                 "prefetch_mib_s": st.prefetch_mib_s}
 

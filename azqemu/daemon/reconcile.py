@@ -5,6 +5,10 @@ records of domains that vanished, gives running sandboxes without a record one b
 their domain metadata ("adopted", policy ``manual``), removes half-made templates and the
 build domains of a manager that died, and takes the memory of lazy clones and of sandboxes
 with pages in the store back, so a restarted daemon lists and serves the same sandboxes.
+Store entries of sandboxes whose domain is gone, or whose domain UUID is not the one the
+entries are bound to, are freed first: a name reused later starts empty. A sandbox whose
+stored pages were lost (a quarantined store) is reported ``failed`` and its memory is not
+served (its guest waits rather than read a wrong page).
 Domains of another manager (another state directory on the same libvirtd) are left alone.
 """
 
@@ -28,7 +32,8 @@ log = logging.getLogger(__name__)
 
 def reconcile(reg: Registry, memory: MemoryService) -> dict[str, list[str]]:
     """Make records agree with libvirt; returns what changed (kept, dropped, adopted, removed)."""
-    report: dict[str, list[str]] = {"kept": [], "dropped": [], "adopted": [], "removed": []}
+    report: dict[str, list[str]] = {"kept": [], "dropped": [], "adopted": [], "removed": [], "freed": [],
+                                    "failed": []}
     reg.templates.remove_stale_builds()
     state_dir = str(reg.cfg.state_dir)
     running: dict[str, tuple[Domain, dict[str, str]]] = {}
@@ -51,12 +56,19 @@ def reconcile(reg: Registry, memory: MemoryService) -> dict[str, list[str]]:
             reg.sandboxes.remove(rec.name)
             remove_vm_dir(rec.name)
             report["dropped"].append(rec.name)
+    try:
+        report["freed"] = memory.free_stale({name: dom.uuid for name, (dom, _meta) in running.items()})
+    except AzqemuError as exc:
+        log.error("cannot free stale store entries: %s", exc)
     for name, (dom, meta) in running.items():
-        if meta.get("ram-mode") == "lazy" or memory.has_stored(name):
+        if name in memory.failed:
+            report["failed"].append(name)
+            log.error("not serving the memory of %s: %s", name, memory.failed[name])
+        elif meta.get("ram-mode") == "lazy" or memory.has_stored(name):
             try:
                 memory.attach(name, meta.get("sharing-domain", DEFAULT_SHARING_DOMAIN),
                               reg.templates.get(meta.get("template", "")),
-                              lazy_clone=meta.get("ram-mode") == "lazy")
+                              lazy_clone=meta.get("ram-mode") == "lazy", owner=dom.uuid)
             except AzqemuError as exc:
                 log.error("cannot reattach the memory of %s: %s", name, exc)
         if reg.sandboxes.path(name).exists():

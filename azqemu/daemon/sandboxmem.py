@@ -7,8 +7,11 @@ map: pages stored in the page store come from the store, untouched pages of a la
 from the template image, and pages nobody saved are zero.
 
 Compress (vCPUs paused): scan the resident pages of the RAM memfd (data extents only),
-encode them into the store, point their sources at the store, record the hot set (pages
-faulted in since the last resume), and punch the stored pages out of the memfd. Resume:
+encode them into the store, make a store generation naming them durable (``PageStore.flush``),
+point their sources at the store, record the hot set (pages faulted in since the last resume),
+and only then punch the stored pages out of the memfd: a manager killed at any point restarts
+into a store that holds every page QEMU no longer has. A flush that finds no room
+(``StoreFull``) abandons the compression before anything is dropped. Resume:
 put the hot set back with UFFDIO_COPY in bulk, continue the vCPUs, serve the rest on first
 touch. A resume that arrives while a compression runs cancels it between two steps; pages
 encoded but not yet punched are simply dropped from the store (their resident copy is the
@@ -42,9 +45,12 @@ from pathlib import Path
 
 import numpy as np
 
-from azqemu.errors import RestoreError
+from azqemu.errors import RestoreError, StoreError
 from azqemu.host.pagemap import private_pages, read_private_pages, unmapped_pages
+from azqemu.memory.crashpoint import crash_point, fail_point
 from azqemu.memory.kinds import Kind
+from azqemu.memory.pagehash import page_hashes
+from azqemu.memory.persist import StoreFull
 from azqemu.memory.ram import read_resident_pages
 from azqemu.memory.store import PageStore
 from azqemu.memory.template import TemplateImage
@@ -88,6 +94,14 @@ class CompressStats:
     punch_s: float = 0.0
     total_s: float = 0.0
     cancelled: bool = False
+    unchanged_pages: int = 0   # copies still equal to their stored entries: not encoded again
+
+
+@dataclass
+class TrimStats:
+    resident_pages: int = 0    # copies the sandbox held
+    dropped_pages: int = 0     # of which equal to their stored entries: dropped
+    total_s: float = 0.0       # vCPUs paused for this long (plus the pause/resume calls)
 
 
 @dataclass
@@ -106,8 +120,10 @@ class SandboxMemory:
 
     def __init__(self, name: str, sharing_domain: str, *, uffd_socket: Path, store: PageStore,
                  template: TemplateImage, template_ram: Path, lazy_clone: bool,
-                 use_siblings: bool = True) -> None:
+                 use_siblings: bool = True, owner: str | None = None) -> None:
         self.name = name
+        # The domain UUID this memory belongs to: the store's entries are bound to it.
+        self.owner = owner
         # The store binds a sharing domain to one template (TEMPLATE/TDELTA pages refer to
         # it); a tenant running clones of two templates gets one store domain per template.
         # Pages are still never shared across tenants.
@@ -141,8 +157,16 @@ class SandboxMemory:
         if self.cow:
             self.sources.register(self._zero_src)  # known to the fault handler from its start
         if name in store.sandboxes():
-            # A restarted manager: pages stored before it died come from the store again.
-            self.sources.assign(store.stored_pages(name), self._store_src)
+            stored_owner = store.owner_of(name)
+            if owner is not None and stored_owner is not None and stored_owner != owner:
+                # Another domain's pages under a reused name: never served, freed.
+                log.warning("%s: the store held pages of domain %s under this name (this one is %s): "
+                            "freed", name, stored_owner, owner)
+                store.free_sandbox(name)
+                store.flush()
+            else:
+                # A restarted manager: pages stored before it died come from the store again.
+                self.sources.assign(store.stored_pages(name), self._store_src)
         self.handler = FaultHandler(self.handle, self._sources_for_blocks(), on_error=self._on_error,
                                     name=f"azq-faults-{name}")
         self.registered = False
@@ -253,13 +277,28 @@ class SandboxMemory:
                 # fault yet, they are the whole working set the guest showed.
                 hot_idx = np.union1d(hot_idx, idx)
             t1 = time.perf_counter()
+            # Only what changed is encoded: a copy that still equals its stored entry (a page
+            # the resume put back and the guest did not write since) keeps that entry. One
+            # XXH3-128 per page against the hash its blob recorded: the compression's CPU
+            # follows what the guest wrote, not what it holds (tests/unit/memory/test_store.py
+            # and test_sandboxmem_trim.py check the entries serve the same bytes).
+            unchanged = np.empty(0, dtype=np.int64)
+            if self.cow and self.name in self.store.sandboxes() and len(idx):
+                key, check = page_hashes(pages)
+                same = self.store.entries_match(self.name, idx, key, check)
+                unchanged = idx[same]
+                enc_idx, enc_pages = idx[~same], pages[~same]
+            else:
+                enc_idx, enc_pages = idx, pages
+            st.unchanged_pages = len(unchanged)
             # Copy-on-write: the pages a resume copies back are only the stored ones, a few
             # thousand; they decode in milliseconds with zstd, so the store keeps them small
             # rather than fast (LZ4). Lazy clones bring back their whole working set.
-            hot = None if self.cow else np.isin(idx, hot_idx)
-            res = self.store.encode(self.name, self.sharing_domain, idx, pages, self.template,
-                                    use_siblings=self.use_siblings, hot=hot)
-            del pages
+            hot = None if self.cow else np.isin(enc_idx, hot_idx)
+            res = self.store.encode(self.name, self.sharing_domain, enc_idx, enc_pages, self.template,
+                                    use_siblings=self.use_siblings, hot=hot, owner=self.owner)
+            del pages, enc_pages
+            crash_point("after-encode")
             st.encode_s = time.perf_counter() - t1
             st.pages_by_kind, st.bytes_by_kind = dict(res.pages), dict(res.bytes)
             st.stored_pages, st.raw_pages = len(res.stored_idx), len(res.raw_idx)
@@ -267,11 +306,23 @@ class SandboxMemory:
             self._prefetched_idx = np.empty(0, dtype=np.int64)
             self.handler.reset_hot()
             st.hot_pages = len(self.hot_idx)
-            # Sources first, punch second: a page must be findable before it disappears.
             stored = np.sort(res.stored_idx.astype(np.int64))
+            free = np.empty(0, dtype=np.int64)
             if self.cow:
-                stored = self._unstore_free_pages(stored)
-            self.sources.assign(stored, self._store_src)
+                stored, free = self._unstore_free_pages(stored)
+            # Durable first, sources second, punch last: a page must be on disk and findable
+            # before it disappears (write-ahead; docs/memory.md "Crash consistency").
+            try:
+                fail_point("flush-before-drop", lambda: StoreFull(str(self.store.root), "injected (AZQ_FAIL_AT)"))
+                self.store.flush()
+            except (StoreError, OSError) as exc:
+                # Nothing was dropped: the guest keeps every page, the store forgets this
+                # round's entries (their space goes at the next commit or at once).
+                log.error("%s: compression abandoned, the store could not commit: %s", self.name, exc)
+                self.store.discard(self.name, res.stored_idx.astype(np.int64))
+                raise
+            crash_point("after-flush")
+            self.sources.assign(np.union1d(stored, unchanged), self._store_src)
             t2 = time.perf_counter()
             try:
                 if self.cow:
@@ -287,12 +338,56 @@ class SandboxMemory:
                 st.cancelled = True
             if self.cow and not st.cancelled:
                 st.mapped_pages = self._map_unstored()
-            self.store.flush()
+            if len(free):
+                # Mapped now (or, cancelled, still resident): their entries can go. They were
+                # kept durable through the DISCARD so that a manager killed before the mapping
+                # serves them from the store, not from the template's page cache.
+                self.store.discard(self.name, free)
+            try:
+                # Commits a cancel's discards (nothing to write otherwise). If it fails the
+                # durable generation still names pages that are resident: never served.
+                self.store.flush()
+            except (StoreError, OSError) as exc:
+                log.warning("%s: store flush after the punch failed: %s", self.name, exc)
             st.punch_s = time.perf_counter() - t2
             st.total_s = time.perf_counter() - t0
             self.compressed = not st.cancelled
             self.compress_s_total += st.total_s
             self.last_compress = st
+            return st
+
+    def trim(self) -> TrimStats:
+        """Copy-on-write, in a tool call: drop the copies that still equal their stored
+        entries (put back by the last resume, not written since); the entries serve them on
+        their next touch. The caller pauses the vCPUs: a page written between the comparison
+        and the drop would be lost. Nothing is encoded and the store does not change, so no
+        flush is needed: every dropped page is already named by a durable generation."""
+        st = TrimStats()
+        t0 = time.perf_counter()
+        with self._lock:
+            # A cancel left over from the last resume must not stop this one; a destroy or a
+            # resume that arrives from now on stops it before anything is dropped.
+            self._cancel.clear()
+            if not self.cow or not self.registered or self.compressed or self.name not in self.store.sandboxes():
+                return st
+            idx, pages = self._read_resident()
+            st.resident_pages = len(idx)
+            if len(idx):
+                key, check = page_hashes(pages)
+                drop = idx[self.store.entries_match(self.name, idx, key, check)]
+                del pages
+                # A page that faulted back since the last compression is in use: dropping it
+                # again would only make it fault again at every trim. What goes is what the
+                # resume put back and nothing touched since (a prefetched page cannot fault,
+                # so its first trim is its test: dropped, and back for good if touched).
+                drop = drop[~np.isin(drop, self.handler.hot_pages(self._block_index))]
+                self.sources.assign(drop, self._store_src)
+                try:
+                    self._discard_copies(drop)
+                    st.dropped_pages = len(drop)
+                except CompressCancelled:
+                    pass   # a resume or destroy asked first: nothing was dropped
+            st.total_s = time.perf_counter() - t0
             return st
 
     def _check_cancel(self, done: int = 0) -> None:
@@ -307,18 +402,20 @@ class SandboxMemory:
             self._check_cancel(punched)
             self.handle.punch(self.block, s * PAGE_SIZE, n * PAGE_SIZE)
             punched += n
+            crash_point("after-discard-batch")
 
-    def _unstore_free_pages(self, stored: np.ndarray) -> np.ndarray:
+    def _unstore_free_pages(self, stored: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Copy-on-write: written pages whose bytes are the template's again, or zero,
         need no entry: mapped from the template's page cache or to the zero page they cost
-        nothing until the guest writes them. Returns the pages left in the store."""
+        nothing until the guest writes them. Returns the pages left in the store and those
+        free pages, whose entries the caller discards once they are mapped (until then the
+        store is the only durable record that a discarded page was zero, not the template's)."""
         kinds = self.store.page_kinds(self.name, stored)
         same, zero = stored[kinds == Kind.TEMPLATE], stored[kinds == Kind.ZERO]
-        if len(same) or len(zero):
-            self.store.discard(self.name, np.concatenate([same, zero]))
-            self.sources.assign(same, self._unstored)
-            self.sources.assign(zero, self._zero_src)
-        return stored[(kinds != Kind.TEMPLATE) & (kinds != Kind.ZERO)]
+        self.sources.assign(same, self._unstored)
+        self.sources.assign(zero, self._zero_src)
+        keep = (kinds != Kind.TEMPLATE) & (kinds != Kind.ZERO)
+        return stored[keep], np.union1d(same, zero).astype(np.int64)
 
     def _discard_copies(self, pages: np.ndarray) -> None:
         """Copy-on-write: have QEMU drop these copies (madvise in runs, many runs per
@@ -332,6 +429,7 @@ class SandboxMemory:
         if ranges:
             with UffdExport(self._uffd_socket, EXPORT_CONNECT_TIMEOUT_S) as export:
                 export.discard_ranges(ranges)
+            crash_point("after-discard-batch")
         # Our own madvise reported itself as REMOVE events: they are not guest discards.
         self.handler.reset_discarded()
 

@@ -50,6 +50,12 @@ class SchedService:
             self.lifecycle.compress_locked(name)
             self.lifecycle.resume_locked(name, self.reg.domain(name), prefetch=False)
 
+    def trim_if_running(self, name: str) -> None:
+        """Trim a sandbox that is still in a tool call (the scheduler's call)."""
+        st = self.reg.sched.get(name)
+        if st is not None and st.tracker.current().phase == "tool":
+            self.lifecycle.trim(name)
+
     def pageout(self, name: str) -> None:
         """The linux policy's proactive reclaim: push an idle sandbox's RAM out to zram."""
         pid = self.qemu_pid(name)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from azqemu import config as config_mod
-from azqemu.daemon import protocol, requests
+from azqemu.daemon import metrics, protocol, requests
 from azqemu.daemon.manager import Manager
 from azqemu.errors import AzqemuError, DaemonError
 
@@ -136,6 +136,7 @@ def serve(socket_path: Path | None = None) -> None:
     # thread (compression, a client request) within a millisecond, not CPython's 5 ms.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     manager = Manager(cfg)
+    metrics_listener = metrics.listen_from_env(manager)  # AZQ_METRICS_ADDR, off by default
     old_umask = os.umask(0o177)
     try:
         server = _Server(str(path), _Handler)
@@ -158,5 +159,7 @@ def serve(socket_path: Path | None = None) -> None:
     finally:
         server.server_close()
         path.unlink(missing_ok=True)
+        if metrics_listener is not None:
+            metrics_listener.close()
         manager.close()
         log.info("azqemu daemon stopped")

@@ -14,10 +14,12 @@ Modules, one concept each:
     blobtable    payload locations, reference counts, per-domain indices
     sbxindex     the per-sandbox index
     persist      on-disk metadata formats
-    generation   the store's on-disk generation: write, load, validate
+    generation   the store's on-disk generation: write (write-ahead order), load, validate
+    crashpoint   named crash points (AZQ_CRASH_AT) for the kill -9 tests
     pagedecode   decoding one page or rows for the store (locate under its lock, write outside)
     domainview   the encoder's window on one sharing domain
     store        PageStore: the API for the restore path and the scheduler
+    storecheck   verify every stored page (`azq store check`)
     accounting   bytes owned per sandbox / domain / host
     linux_model  the KSM + zram baseline
     analyze      `azq mem analyze`

@@ -6,13 +6,22 @@ file we ftruncate(2)d to its capacity; on tmpfs untouched capacity allocates not
 (arena id, offset, length) in the store's blob table.
 
 Freed blobs leave dead bytes behind. Each arena counts the dead bytes of every 4 KiB page of
-its file; a page whose bytes are all dead is punched out of the file at once
-(FALLOC_FL_PUNCH_HOLE): blobs are written back to back and a sandbox's blobs die together when
-it is compressed again, so most dead bytes leave tmpfs as soon as they die, current arena
-included. An arena that holds only dead bytes is unlinked; one whose live share of what tmpfs holds for it falls below
+its file; a page whose bytes are all dead is punched out of the file (FALLOC_FL_PUNCH_HOLE):
+blobs are written back to back and a sandbox's blobs die together when it is compressed
+again, so most dead bytes leave tmpfs soon after they die, current arena included. An arena
+that holds only dead bytes is unlinked; one whose live share of what tmpfs holds for it falls below
 ``COMPACT_LIVE_FRACTION`` is compacted by the store (the current arena too), which moves its live blobs to the current
 arena (it owns the table of locations) and then drops the file. After a reopen the counts
 start from zero (pages already punched stay holes; the others wait for compaction).
+
+Write-ahead order (docs/memory.md, "Crash consistency"): space a durable generation still
+names is reclaimed only after a newer generation that does not name it is durable. The set
+remembers, per arena, how far the last durable generation reaches (``durable``: arena id ->
+its ``used`` then). A dead blob below that mark waits in ``pending_release`` and an arena
+that generation names waits in ``pending_drop`` (closed, its file kept, its id not reused)
+until ``commit`` is called with the newer generation; a blob or arena written after the last
+commit is reclaimed at once (nothing on disk names it). Arena ids are the lowest free ones
+(ids are u16 in the blob table): ids of dropped arenas come back, never past 65,535.
 
 On-disk form of an arena file: a 4 KiB header page, then payloads.
     header: magic "AZQARENA" | u32 version | u32 arena id | 16 bytes store uuid |
@@ -33,6 +42,7 @@ import numpy as np
 import xxhash
 
 from azqemu.errors import StoreCorrupt, StoreForeign
+from azqemu.memory.persist import StoreFull, is_no_space
 
 ARENA_MAGIC = b"AZQARENA"
 ARENA_VERSION = 1
@@ -48,6 +58,8 @@ MAX_ARENA_BYTES = 1 << 32
 COMPACT_LIVE_FRACTION = 0.5
 # Below this much held, an arena is not worth a compaction.
 COMPACT_MIN_BYTES = 1 << 20
+# Arena ids are u16 in the blob table (BLOB_DTYPE["arena"]).
+MAX_ARENAS = 1 << 16
 # tmpfs allocates and frees whole pages.
 FILE_PAGE_BYTES = 4096
 FALLOC_FL_KEEP_SIZE = 0x01
@@ -96,7 +108,12 @@ class ArenaSet:
         self.arena_bytes = arena_bytes
         self.arenas: dict[int, Arena] = {}
         self.current: Arena | None = None
-        self._next_id = 0
+        # Write-ahead bookkeeping (module docstring): what the last durable generation names.
+        self.durable: dict[int, int] = {}
+        self.pending_release: list[tuple[int, np.ndarray, np.ndarray]] = []
+        self.pending_bytes: dict[int, int] = {}
+        self.pending_drop: dict[int, Path] = {}
+        self._written: set[int] = set()     # arenas appended to since the last flush
 
     @staticmethod
     def file_name(arena_id: int) -> str:
@@ -104,16 +121,31 @@ class ArenaSet:
 
     # -- lifecycle ----------------------------------------------------------------------
     def _new_arena(self) -> Arena:
-        arena_id = self._next_id
-        self._next_id += 1
-        path = self.root / self.file_name(arena_id)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        taken = self.arenas.keys() | self.pending_drop.keys()
+        for arena_id in range(MAX_ARENAS):
+            if arena_id in taken:
+                continue
+            path = self.root / self.file_name(arena_id)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            except FileExistsError:
+                continue        # a file nobody named (swept at the next open): leave it
+            except OSError as err:
+                if is_no_space(err):
+                    raise StoreFull(str(path), "no room for a new arena") from err
+                raise
+            break
+        else:
+            raise StoreFull(str(self.root), f"all {MAX_ARENAS} arena ids in use")
         try:
             os.ftruncate(fd, self.arena_bytes)
             os.pwrite(fd, _header_bytes(arena_id, self.store_uuid, self.arena_bytes), 0)
             mm = mmap.mmap(fd, self.arena_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
+        except BaseException as err:
             os.close(fd)
+            os.unlink(path)
+            if isinstance(err, OSError) and is_no_space(err):
+                raise StoreFull(str(path), "no room for a new arena") from err
             raise
         arena = Arena(arena_id, path, self.arena_bytes, ARENA_HEADER_BYTES, 0, fd, mm)
         self.arenas[arena_id] = arena
@@ -150,7 +182,6 @@ class ArenaSet:
             raise
         arena = Arena(arena_id, path, capacity, used, live, fd, mm)
         self.arenas[arena_id] = arena
-        self._next_id = max(self._next_id, arena_id + 1)
         return arena
 
     def close(self) -> None:
@@ -163,8 +194,47 @@ class ArenaSet:
         self.current = None
 
     def flush(self) -> None:
-        for a in self.arenas.values():
-            a.mm.flush()       # msync(2): a no-op on tmpfs, real on a disk-backed store
+        """Make the payloads written since the last flush durable (before a generation names
+        them). fdatasync(2): a no-op on tmpfs, real on a disk-backed store."""
+        for aid in sorted(self._written):
+            a = self.arenas.get(aid)
+            if a is not None:
+                try:
+                    os.fdatasync(a.fd)
+                except OSError as err:
+                    if is_no_space(err):
+                        raise StoreFull(str(a.path), "arena data could not be synced") from err
+                    raise
+        self._written.clear()
+
+    def commit(self) -> None:
+        """A generation naming exactly the arenas in ``self.arenas`` (up to their ``used``) is
+        durable: reclaim what only older generations named (pending dead blobs are counted and
+        punched, pending arenas unlinked, their ids free again)."""
+        self.durable = {aid: a.used for aid, a in self.arenas.items()}
+        pending, self.pending_release = self.pending_release, []
+        self.pending_bytes = {}
+        for aid, offsets, lengths in pending:
+            a = self.arenas.get(aid)
+            if a is not None:           # else dropped meanwhile: its file goes below
+                self._count_dead(a, offsets, lengths)
+        drops, self.pending_drop = self.pending_drop, {}
+        for path in drops.values():
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    def sweep(self) -> list[str]:
+        """Unlink arena files this set does not hold (written after the generation that was
+        loaded, or dropped after it): returns their names. Called at open, before any append."""
+        known = {self.file_name(aid) for aid in self.arenas}
+        gone = []
+        for p in sorted(self.root.glob("arena-*.azq")):
+            if p.name not in known:
+                p.unlink()
+                gone.append(p.name)
+        return gone
 
     # -- data -------------------------------------------------------------------------------
     def append(self, payloads: list[bytes]) -> list[tuple[int, int]]:
@@ -187,25 +257,37 @@ class ArenaSet:
         ends = np.cumsum(lengths)
         view = memoryview(data)
         i = 0
-        while i < n:
-            a = self.current
-            if a is None or a.used + int(lengths[i]) > a.capacity:
-                a = self._new_arena()
-            base = int(ends[i - 1]) if i else 0
-            room = a.capacity - a.used
-            j = int(np.searchsorted(ends, base + room, side="right"))
-            if j <= i:
-                raise ValueError("payload larger than an arena")
-            size = int(ends[j - 1]) - base
-            start = a.used
-            done = 0
-            while done < size:
-                done += os.pwrite(a.fd, view[base + done:base + size], start + done)
-            ids[i:j] = a.arena_id
-            offs[i:j] = start + (ends[i:j] - lengths[i:j] - base)
-            a.used += size
-            a.live += size
-            i = j
+        # On a failure (ENOSPC: StoreFull) the fill levels are put back: nothing names the
+        # bytes written, the next append overwrites them.
+        touched: list[tuple[Arena, int, int]] = []
+        try:
+            while i < n:
+                a = self.current
+                if a is None or a.used + int(lengths[i]) > a.capacity:
+                    a = self._new_arena()
+                base = int(ends[i - 1]) if i else 0
+                room = a.capacity - a.used
+                j = int(np.searchsorted(ends, base + room, side="right"))
+                if j <= i:
+                    raise ValueError("payload larger than an arena")
+                size = int(ends[j - 1]) - base
+                start = a.used
+                touched.append((a, a.used, a.live))
+                self._written.add(a.arena_id)
+                done = 0
+                while done < size:
+                    done += os.pwrite(a.fd, view[base + done:base + size], start + done)
+                ids[i:j] = a.arena_id
+                offs[i:j] = start + (ends[i:j] - lengths[i:j] - base)
+                a.used += size
+                a.live += size
+                i = j
+        except BaseException as err:
+            for a, used, live in touched:
+                a.used, a.live = used, live
+            if isinstance(err, OSError) and is_no_space(err):
+                raise StoreFull(str(self.root), "no room for encoded pages") from err
+            raise
         return ids, offs
 
     def read(self, arena_id: int, offset: int, length: int) -> bytes:
@@ -260,7 +342,8 @@ class ArenaSet:
     def release_many(self, arena_ids: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> None:
         """Blobs died: count their bytes dead, punch the pages of the file now all dead, and
         drop an arena (not the current one) with nothing live left. An offset of -1 (not
-        known) only lowers the live count."""
+        known) only lowers the live count. Blobs the last durable generation names are only
+        counted dead at the next ``commit`` (module docstring)."""
         arena_ids = np.asarray(arena_ids, dtype=np.int64)
         offsets = np.asarray(offsets, dtype=np.int64)
         lengths = np.asarray(lengths, dtype=np.int64)
@@ -272,8 +355,15 @@ class ArenaSet:
                 self.drop(aid)
                 continue
             known = sel & (offsets >= 0)
-            if known.any():
-                self._count_dead(a, offsets[known], lengths[known])
+            if not known.any():
+                continue
+            named = known & (offsets < self.durable.get(aid, ARENA_HEADER_BYTES))
+            if named.any():
+                self.pending_release.append((aid, offsets[named], lengths[named]))
+                self.pending_bytes[aid] = self.pending_bytes.get(aid, 0) + int(lengths[named].sum())
+            now = known & ~named
+            if now.any():
+                self._count_dead(a, offsets[now], lengths[now])
 
     def _count_dead(self, a: Arena, offsets: np.ndarray, lengths: np.ndarray) -> None:
         ps = FILE_PAGE_BYTES
@@ -305,13 +395,35 @@ class ArenaSet:
                 a.punched_bytes += length
 
     def drop(self, arena_id: int) -> None:
+        """Close an arena nothing live is in any more; its file is unlinked now, or at the next
+        ``commit`` if the last durable generation names it."""
         a = self.arenas.pop(arena_id)
+        if self.current is a:
+            self.current = None
+        self._written.discard(arena_id)
         a.mm.close()
         os.close(a.fd)
+        if arena_id in self.durable:
+            self.pending_drop[arena_id] = a.path
+            return
         try:
             os.unlink(a.path)
         except FileNotFoundError:
             pass
+
+    def compact(self, arena_id: int, rows: np.ndarray) -> None:
+        """Move the live blobs of an arena to the current one (``rows``: the blob table's rows,
+        their locations updated in place), then drop it: closed now, its file unlinked at the
+        next commit if the last durable generation names it."""
+        live = np.flatnonzero((rows["refcount"] > 0) & (rows["arena"] == arena_id))
+        payloads = [self.read(arena_id, int(rows["offset"][b]), int(rows["length"][b])) for b in live]
+        if self.current is not None and self.current.arena_id == arena_id:
+            self.retire_current()
+        locs = self.append(payloads)
+        for b, (a, o) in zip(live, locs):
+            rows["arena"][b] = a
+            rows["offset"][b] = o
+        self.drop(arena_id)
 
     def compaction_candidates(self) -> list[int]:
         """Arenas whose live bytes are under COMPACT_LIVE_FRACTION of what tmpfs holds for
@@ -319,7 +431,9 @@ class ArenaSet:
         blobs of many sandboxes die a few at a time and leave pages part live, part dead."""
         out = []
         for a in self.arenas.values():
-            held = os.fstat(a.fd).st_blocks * 512 - ARENA_HEADER_BYTES
+            # Dead bytes waiting for the next commit leave at that commit by punching: they
+            # are no reason to copy the arena now.
+            held = os.fstat(a.fd).st_blocks * 512 - ARENA_HEADER_BYTES - self.pending_bytes.get(a.arena_id, 0)
             if held > COMPACT_MIN_BYTES and a.live < COMPACT_LIVE_FRACTION * held:
                 out.append(a.arena_id)
         return out

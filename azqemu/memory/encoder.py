@@ -224,7 +224,7 @@ class Encoder:
             h = hit[ok]
             kind[rest[h]] = int(Kind.DUP)
             target[rest[h]] = T_TEMPLATE
-            ref[rest[h]] = template.page_idx[trow[h]]
+            ref[rest[h]] = trow[h]           # a template row is its page index
             undecided[h] = False
 
         # -- DUP of a blob of the domain (confirmed by decoding it) ---------------------------

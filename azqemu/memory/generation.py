@@ -1,39 +1,54 @@
 """The page store's on-disk generation: writing the live state out, loading it back, checking it.
 
 A generation is what one ``PageStore.flush`` leaves under the root directory: the store file
-(ids, domains, templates, the blob table and the similarity indices), one index file per
-sandbox, and the arena files whose bytes those name. ``write_generation`` writes it (arenas
-first, then the sandboxes' indices, then the store file that names them, and only then drops
-the index files of freed sandboxes), ``load_generation`` reads it back into a blob table, an
-arena set and sandbox records, and ``validate_generation`` recomputes every bound and reference
-count of a loaded (or live) state and refuses any mismatch as ``StoreCorrupt``. The byte
-formats of the store and index files are persist.py's; arena files are arena.py's.
+(its number, ids, domains, templates, the blob table, the similarity indices, and the name of
+each sandbox's index file), the index files it names, and the arena files whose bytes those
+name. ``load_generation`` reads it back into a blob table, an arena set and sandbox records,
+and ``validate_generation`` recomputes every bound and reference count of a loaded (or live)
+state and refuses any mismatch as ``StoreCorrupt``. The byte formats of the store and index
+files are persist.py's; arena files are arena.py's.
 
-Known gap, not crash-consistent yet: index files are replaced one by one before the store file
-that names them, and between flushes the store frees space at once (dead blobs punched, arenas
-compacted and unlinked by PageStore.compact_arena), not after a generation that no longer names
-it. A crash mid-flush, or after such a release, leaves files that load refuses (StoreCorrupt)
-or blobs that fail their checksum. Reopen what was flushed, with nothing released since.
+``write_generation`` is ordered like a write-ahead log; a crash (SIGKILL) at any point leaves
+either the old generation or the new one, whole:
+    1. arena payloads synced (fdatasync; tmpfs: nothing to do);
+    2. each changed sandbox's index under a NEW name (``sbx-<h>-g<gen>.azqidx``: write to a
+       temporary name, fsync, rename); the old generation's files are not touched;
+    3. the store file naming those files (temporary name, fsync, rename over ``store.azq``),
+       then fsync of the directory: the commit point;
+    4. only then what only the old generation named goes: its index files are unlinked, dead
+       blobs it named are punched, arenas it named and nothing names now are unlinked
+       (``ArenaSet.commit``).
+Loading takes the generation ``store.azq`` names and sweeps every other store file (index
+files and arenas of a newer generation that never committed, of an older one whose unlink a
+crash interrupted, temporary files). A sandbox whose index file is unreadable or inconsistent
+is quarantined (``LoadedGeneration.quarantined``: its file moved to ``quarantine/``, its
+references released) and the others load.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from azqemu.errors import StoreCorrupt
+from azqemu.errors import StoreCorrupt, StoreError
 from azqemu.memory.arena import ARENA_HEADER_BYTES, ArenaSet
 from azqemu.memory.blobtable import BLOB_DTYPE, BlobTable, DomainState
+from azqemu.memory.crashpoint import crash_point, fail_point
 from azqemu.memory.kinds import PAGE_SIZE, Method, RefType
 from azqemu.memory.persist import (
     STORE_FILE,
+    TMP_SUFFIX,
+    StoreFull,
     index_file_name,
+    is_index_file_name,
     read_index,
     read_store,
+    sync_dir,
     write_index,
     write_store,
 )
@@ -41,6 +56,8 @@ from azqemu.memory.sbxindex import SandboxIndex
 from azqemu.memory.simindex import SimilarityIndex
 
 _REFTYPE_BLOB = int(RefType.BLOB)
+QUARANTINE_DIR = "quarantine"
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -52,6 +69,8 @@ class StoredSandbox:
     template_id: str
     index: SandboxIndex
     raw: np.ndarray                  # sorted u4 page indices left resident (RAW)
+    owner: str | None = None         # the domain UUID the entries belong to (None: not bound)
+    file: str | None = None          # its index file in the last durable generation
 
 
 @dataclass
@@ -62,35 +81,92 @@ class LoadedGeneration:
     table: BlobTable
     arenas: ArenaSet
     sandboxes: dict[str, StoredSandbox]
+    generation: int = 0
+    # Sandboxes the store named but could not load: name -> reason (their pages are lost).
+    quarantined: dict[str, str] = field(default_factory=dict)
+    swept: list[str] = field(default_factory=list)
+    tombstones: dict[str, str | None] = field(default_factory=dict)
 
 
-def write_generation(root: Path, uuid: bytes, table: BlobTable, arenas: ArenaSet,
+def write_generation(root: Path, uuid: bytes, generation: int, table: BlobTable, arenas: ArenaSet,
                      sandboxes: dict[str, StoredSandbox], template_paths: dict[str, dict[str, Any]],
-                     dirty: set[str], freed_files: list[str]) -> None:
-    """Write everything needed to reopen the store from ``root`` (PageStore.flush).
+                     dirty: set[str], tombstones: dict[str, str | None] | None = None) -> None:
+    """Write generation number ``generation`` under ``root`` and commit it (PageStore.flush),
+    in the order of the module docstring.
 
-    The caller holds the store's state lock. Writes the index files of the ``dirty`` sandboxes
-    and empties the set; unlinks the index files in ``freed_files`` (those of freed sandboxes)
-    once the store file no longer names them, and empties the list.
+    The caller holds the store's state lock. On success the ``dirty`` set is emptied and each
+    written sandbox's ``file`` names its new index file. On a failure (``StoreFull``, any
+    OSError) before the commit point the previous generation stays the durable one, the new
+    files are removed, ``dirty`` is kept and nothing was reclaimed.
     """
     arenas.flush()
-    for name in sorted(dirty):
-        sb = sandboxes[name]
-        write_index(root / index_file_name(name), uuid, name, sb.index.to_records(), sb.raw, sb.index.zt)
+    written: dict[str, str] = {}
+    try:
+        for name in sorted(dirty):
+            sb = sandboxes[name]
+            fname = index_file_name(name, generation)
+            write_index(root / fname, uuid, name, sb.index.to_records(), sb.raw, sb.index.zt)
+            written[name] = fname
+            crash_point("between-generation-files")
+        fail_point("commit", lambda: StoreFull(str(root / STORE_FILE), "injected (AZQ_FAIL_AT)"))
+        _commit_store_file(root, uuid, generation, table, arenas, sandboxes, template_paths, written,
+                           tombstones or {})
+    except BaseException:
+        for fname in written.values():
+            try:
+                os.unlink(root / fname)
+            except OSError:
+                pass
+        raise
+    # The rename is done: from here on the new files are named and must stay, and this
+    # generation's number is used (PageStore counts it even if the directory sync fails).
+    try:
+        sync_dir(root)
+    except OSError as err:
+        log.error("%s: directory sync after the commit of generation %d failed: %s", root, generation, err)
+    crash_point("after-commit")
+    # Durable: what only the old generation named can go now.
+    for name, fname in written.items():
+        sandboxes[name].file = fname
     dirty.clear()
+    named = {sb.file for sb in sandboxes.values()}
+    try:
+        for p in root.iterdir():
+            if (is_index_file_name(p.name) and p.name not in named) or p.name.endswith(TMP_SUFFIX):
+                try:
+                    p.unlink()
+                except FileNotFoundError:
+                    pass
+    except OSError as err:      # left for the sweep at the next open
+        log.error("%s: removing the files of older generations failed: %s", root, err)
+    arenas.commit()
+    crash_point("after-reclaim")
+
+
+def _commit_store_file(root: Path, uuid: bytes, generation: int, table: BlobTable, arenas: ArenaSet,
+                       sandboxes: dict[str, StoredSandbox], template_paths: dict[str, dict[str, Any]],
+                       written: dict[str, str], tombstones: dict[str, str | None]) -> None:
     # Purge freed ids from the similarity indices so the saved free list is clean.
     table.reclaim()
     for d in table.domains.values():
         table.sim_index(d)
+    files = {}
+    for s in sandboxes.values():
+        f = written.get(s.name, s.file)
+        if f is None:
+            raise AssertionError(f"sandbox {s.name!r} changed but was not marked dirty")
+        files[s.name] = f
     meta = {
         "store_uuid": uuid.hex(),
+        "generation": generation,
+        "tombstones": tombstones,
         "n_blobs": table.n,
         "free": sorted(table.free),
         "templates": template_paths,
         "domains": [{"name": d.name, "did": d.did, "template_id": d.template_id, "sim_entries": len(d.sim)}
                     for d in sorted(table.domains.values(), key=lambda d: d.did)],
         "sandboxes": [{"name": s.name, "domain": s.domain.name, "template_id": s.template_id,
-                       "file": index_file_name(s.name)} for s in sandboxes.values()],
+                       "file": files[s.name], "owner": s.owner} for s in sandboxes.values()],
         "arenas": [{"id": a.arena_id, "used": a.used, "live": a.live} for a in arenas.arenas.values()],
         "current_arena": None if arenas.current is None else arenas.current.arena_id,
         "arena_bytes": arenas.arena_bytes,
@@ -100,13 +176,6 @@ def write_generation(root: Path, uuid: bytes, table: BlobTable, arenas: ArenaSet
         binary.append(d.sim.keys.astype("<u8").tobytes())
         binary.append(d.sim.sources.astype("<u4").tobytes())
     write_store(root / STORE_FILE, meta, binary)
-    for fname in freed_files:
-        if fname not in {index_file_name(s) for s in sandboxes}:
-            try:
-                os.unlink(root / fname)
-            except FileNotFoundError:
-                pass
-    freed_files.clear()
 
 
 def load_generation(root: Path, arena_bytes: int, template_paths: dict[str, dict[str, Any]]) -> LoadedGeneration:
@@ -168,25 +237,142 @@ def _load_checked(root: Path, path: Path, arena_bytes: int,
         table.domain_by_id[d.did] = d
     if off != len(body):
         raise bad(str(path), "trailing bytes after the indices")
+    generation = int(meta.get("generation", 0))
     arena_set = ArenaSet(root, uuid, a_bytes)
-    for a in arenas:
-        arena_set.open_existing(int(a["id"]), int(a["used"]), int(a["live"]))
-    if current is not None:
-        if current not in arena_set.arenas:
-            raise bad(str(path), "current arena missing")
-        arena_set.current = arena_set.arenas[current]
-    table.free = [int(b) for b in meta.get("free", []) if 0 <= int(b) < n_blobs]
-    records: dict[str, StoredSandbox] = {}
+    try:
+        for a in arenas:
+            arena_set.open_existing(int(a["id"]), int(a["used"]), int(a["live"]))
+        if current is not None:
+            if current not in arena_set.arenas:
+                raise bad(str(path), "current arena missing")
+            arena_set.current = arena_set.arenas[current]
+        table.free = [int(b) for b in meta.get("free", []) if 0 <= int(b) < n_blobs]
+        records, quarantined = _load_sandboxes(root, uuid, table, sandboxes)
+        orphans = _release_orphans(table, records) if quarantined else []
+        validate_generation(path, table, arena_set, records)
+    except BaseException:
+        arena_set.close()
+        raise
+    # This generation is the durable one; everything else of the store's files goes.
+    arena_set.commit()
+    if orphans:
+        # Blobs only a quarantined sandbox held: named by the generation on disk, so their
+        # space waits for the next commit like any other dead blob's.
+        rows = table.rows
+        b = np.asarray(orphans, dtype=np.int64)
+        for aid in np.unique(rows["arena"][b]).tolist():
+            sel = b[rows["arena"][b] == aid]
+            arena_set.pending_release.append((int(aid), rows["offset"][sel].astype(np.int64),
+                                              rows["length"][sel].astype(np.int64)))
+        table.retire(orphans)
+    named = {sb.file for sb in records.values()}
     for s in sandboxes:
-        name, rec, raw, zt = read_index(root / str(s["file"]), uuid)
-        if name != s["name"] or s["domain"] not in table.domains:
-            raise bad(str(root / str(s["file"])), "index does not match the store")
+        if s["name"] in quarantined:
+            _move_aside(root, str(s["file"]))
+    swept = arena_set.sweep()
+    for p in sorted(root.iterdir()):
+        if (is_index_file_name(p.name) and p.name not in named) or p.name.endswith(TMP_SUFFIX):
+            p.unlink()
+            swept.append(p.name)
+    if swept:
+        log.info("%s: removed %d file(s) no durable generation names: %s", root, len(swept), ", ".join(swept[:8]))
+    tombstones = {str(k): (None if v is None else str(v)) for k, v in dict(meta.get("tombstones", {})).items()}
+    return LoadedGeneration(uuid, table, arena_set, records, generation, quarantined, swept, tombstones)
+
+
+def sweep_uncommitted(root: Path) -> None:
+    """Remove the files of a store that never committed (no ``store.azq``: a crash before the
+    first flush). Nothing was ever dropped on the strength of them: they are garbage."""
+    leftovers = [p for p in root.iterdir()
+                 if (p.name.startswith("arena-") and p.name.endswith(".azq"))
+                 or is_index_file_name(p.name) or p.name.endswith(TMP_SUFFIX)]
+    for p in leftovers:
+        p.unlink()
+    if leftovers:
+        log.info("%s: removed %d file(s) of a store that never committed", root, len(leftovers))
+
+
+def _load_sandboxes(root: Path, uuid: bytes, table: BlobTable,
+                    sandboxes: list[dict[str, Any]]) -> tuple[dict[str, StoredSandbox], dict[str, str]]:
+    """Each sandbox the store file names, from its index file; one that cannot be read or
+    does not match the store is quarantined (name -> reason), not loaded."""
+    records: dict[str, StoredSandbox] = {}
+    quarantined: dict[str, str] = {}
+    for s in sandboxes:
+        sname, fname = str(s["name"]), str(s["file"])
+        if not is_index_file_name(fname):
+            raise StoreCorrupt(str(root / STORE_FILE), f"bad index file name {fname[:80]!r}")
+        if s["domain"] not in table.domains:
+            raise StoreCorrupt(str(root / STORE_FILE), f"sandbox {sname!r} of an unknown domain")
+        try:
+            name, rec, raw, zt = read_index(root / fname, uuid)
+            if name != sname:
+                raise StoreCorrupt(str(root / fname), "index does not match the store")
+            idx = SandboxIndex.from_parts(zt, rec)
+        except (StoreError, ValueError) as err:
+            quarantined[sname] = str(err)
+            continue
         d = table.domains[s["domain"]]
-        sb = StoredSandbox(name, d, str(s["template_id"]), SandboxIndex.from_parts(zt, rec), raw)
+        owner = s.get("owner")
+        sb = StoredSandbox(name, d, str(s["template_id"]), idx, raw,
+                           owner=None if owner is None else str(owner), file=fname)
+        problem = _sandbox_problem(sb, table)
+        if problem:
+            quarantined[sname] = f"index of {sname!r}: {problem}"
+            continue
         records[name] = sb
         d.sandboxes.add(name)
-    validate_generation(path, table, arena_set, records)
-    return LoadedGeneration(uuid, table, arena_set, records)
+    for name, reason in quarantined.items():
+        log.error("page store %s: sandbox %s quarantined, its stored pages are lost: %s", root, name, reason)
+    return records, quarantined
+
+
+def _sandbox_problem(sb: StoredSandbox, table: BlobTable) -> str | None:
+    """What is wrong with one sandbox's index against the blob table (None: nothing)."""
+    n = table.n
+    rows = table.rows[:n]
+    problem = sb.index.check()
+    if problem:
+        return problem
+    refs = sb.index.blob_refs().astype(np.int64)
+    if len(refs) and (refs >= n).any():
+        return "names a missing blob"
+    if len(refs) and (rows["refcount"][refs] == 0).any():
+        return "names a freed blob"
+    if len(refs) and (rows["domain"][refs] != sb.domain.did).any():
+        return "names a blob of another domain"
+    return None
+
+
+def _release_orphans(table: BlobTable, records: dict[str, StoredSandbox]) -> list[int]:
+    """Reference counts recomputed without the quarantined sandboxes: returns the blobs now
+    held by nobody (their SDELTA bases released in turn); counts of the others are set."""
+    n = table.n
+    rows = table.rows[:n]
+    held = np.zeros(n, dtype=np.int64)
+    for sb in records.values():
+        held += np.bincount(sb.index.blob_refs().astype(np.int64), minlength=n)[:n]
+    live = rows["refcount"] > 0
+    while True:
+        based = rows["ref"][live & (rows["reftype"] == _REFTYPE_BLOB)].astype(np.int64)
+        count = held + np.bincount(based[based < n], minlength=n)[:n]
+        now = live & (count > 0)
+        if np.array_equal(now, live):
+            break
+        live = now
+    orphans = np.flatnonzero((rows["refcount"] > 0) & ~live)
+    rows["refcount"][:] = np.where(live, count, 0).astype(np.uint32)
+    return [int(b) for b in orphans]
+
+
+def _move_aside(root: Path, fname: str) -> None:
+    """Keep a quarantined index file for inspection, out of the store's way."""
+    src = root / fname
+    if not src.exists():
+        return
+    qdir = root / QUARANTINE_DIR
+    qdir.mkdir(exist_ok=True)
+    os.replace(src, qdir / fname)
 
 
 def validate_generation(path: Path, table: BlobTable, arenas: ArenaSet,

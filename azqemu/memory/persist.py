@@ -3,19 +3,22 @@
 Both carry a magic, a version and an XXH64 checksum of their body, and every size read from
 them is checked against the file's actual length before anything is allocated (Firecracker's
 snapshot format is the model). A file without our magic or of another version is refused as
-``StoreForeign``; a damaged one as ``StoreCorrupt``. Files are replaced atomically (write to a
-temporary name, then rename(2)).
+``StoreForeign``; a damaged one as ``StoreCorrupt``. Files are written whole to a temporary
+name, fsynced, then renamed into place (rename(2)); ``sync_dir`` makes the renames durable. A
+write that finds no room (ENOSPC, EDQUOT) raises ``StoreFull`` and leaves no temporary file.
 
     store.azq    "AZQSTORE" | u32 version | u32 flags | u64 json_len | u64 bin_len | u64 xxh64(body)
                  body = JSON (ids, domains, templates, sandboxes, arenas) + binary (blob table,
                  similarity indices), the binary parts' lengths given in the JSON
-    sbx-*.azqidx "AZQINDEX" | u32 version | u32 name_len | 16 bytes store uuid | u64 n_entries |
+    sbx-<h>-g<gen>.azqidx (one per sandbox and generation; ``sbx-<h>.azqidx`` before version 2.1)
+                 "AZQINDEX" | u32 version | u32 name_len | 16 bytes store uuid | u64 n_entries |
                  u64 n_raw | u64 map_len | u64 xxh64(body);  body = name (utf-8) | entries (10 B
                  each) | RAW page indices (u32 each) | 2-bit ZERO/TEMPLATE map
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
@@ -25,7 +28,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from azqemu.errors import StoreCorrupt, StoreForeign
+from azqemu.errors import StoreCorrupt, StoreError, StoreForeign
 from azqemu.memory.kinds import ENTRY_DTYPE
 
 STORE_MAGIC = b"AZQSTORE"
@@ -36,21 +39,92 @@ _INDEX_HEAD = struct.Struct("<8sII16sQQQQ")
 MAX_JSON_BYTES = 64 << 20
 MAX_NAME_BYTES = 4096
 STORE_FILE = "store.azq"
+TMP_SUFFIX = ".tmp"
+
+
+class StoreFull(StoreError):
+    """The store's file system has no room (ENOSPC/EDQUOT) for ``what``: nothing was dropped,
+    the caller keeps its pages. (A StoreError; belongs in errors.py's tree beside StoreCorrupt.)"""
+
+    def __init__(self, path: str, what: str) -> None:
+        self.path, self.what = path, what
+        super().__init__(f"page store full at {path}: {what}")
+
+
+def is_no_space(err: OSError) -> bool:
+    return err.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def _atomic_write(path: Path, parts: list[bytes | memoryview]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    tmp = path.with_name(path.name + TMP_SUFFIX)
     try:
-        for p in parts:
-            view = memoryview(p).cast("B")
-            while len(view):
-                n = os.write(fd, view)
-                view = view[n:]
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            for p in parts:
+                view = memoryview(p).cast("B")
+                while len(view):
+                    n = os.write(fd, view)
+                    view = view[n:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as err:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if is_no_space(err):
+            raise StoreFull(str(path), "no room to write the file") from err
+        raise
+
+
+# Space held back for a commit when the file system is full: a store full of durable data
+# can only free space by committing a generation that no longer names it, and that commit
+# needs room for the store file and the changed indices (36 + 24 bytes per blob, 10 per
+# entry: 4 MiB covers ~60,000 blobs). Released when a flush hits ENOSPC, taken back after.
+RESERVE_FILE = "reserve.azq"
+RESERVE_BYTES = 4 << 20
+
+
+def ensure_reserve(root: Path) -> bool:
+    """Hold RESERVE_BYTES in ``root`` (allocated, not sparse); False if there is no room now."""
+    path = root / RESERVE_FILE
+    try:
+        if path.exists() and path.stat().st_blocks * 512 >= RESERVE_BYTES:
+            return True
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, RESERVE_BYTES)
+        finally:
+            os.close(fd)
+        return True
+    except OSError as err:
+        if not is_no_space(err):
+            raise
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+        return False
+
+
+def release_reserve(root: Path) -> bool:
+    """Give the reserve back to the file system; False if there was none."""
+    try:
+        (root / RESERVE_FILE).unlink()
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def sync_dir(path: Path) -> None:
+    """fsync(2) a directory: the renames and unlinks in it are durable afterwards."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
         os.fsync(fd)
     finally:
         os.close(fd)
-    os.replace(tmp, path)
 
 
 def _read_all(path: Path) -> bytes:
@@ -92,8 +166,17 @@ def read_store(path: Path) -> tuple[dict[str, Any], memoryview]:
     return meta, body[js_len:]
 
 
-def index_file_name(sandbox: str) -> str:
-    return f"sbx-{xxhash.xxh64_hexdigest(sandbox.encode())}.azqidx"
+def index_file_name(sandbox: str, generation: int | None = None) -> str:
+    """The index file of ``sandbox`` written by ``generation`` (None: the unversioned name
+    of stores written before generations were numbered, still read)."""
+    h = xxhash.xxh64_hexdigest(sandbox.encode())
+    return f"sbx-{h}.azqidx" if generation is None else f"sbx-{h}-g{generation}.azqidx"
+
+
+def is_index_file_name(name: str) -> bool:
+    """A plain file name of ours (a store file naming anything else is refused)."""
+    return (name.startswith("sbx-") and name.endswith(".azqidx") and "/" not in name
+            and name not in (".", "..") and len(name) < 128)
 
 
 def write_index(path: Path, store_uuid: bytes, sandbox: str, records: np.ndarray, raw: np.ndarray,

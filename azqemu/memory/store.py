@@ -14,10 +14,17 @@ outside it); a second lock serialises encoders. Known race, handled: a blob an e
 reference may be freed by a concurrent discard/free before the commit; the commit checks that
 every referenced blob is still live and re-plans otherwise (freed ids are quarantined until the
 next encode, so such an id never points at another page meanwhile).
+
+Crash consistency (docs/memory.md): ``flush`` writes and commits a whole generation
+(generation.py); space that the last durable generation names is reclaimed only after the next
+commit (arena.py), so a process killed at any point reopens into the last durable generation,
+whole. A caller must flush before it drops the pages it encoded (SandboxMemory.compress).
+Entries are bound to an owner (the domain UUID of the sandbox, ``encode(owner=)``).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import threading
@@ -39,9 +46,16 @@ from azqemu.memory.accounting import (
 )
 from azqemu.memory.arena import DEFAULT_ARENA_BYTES, ArenaSet
 from azqemu.memory.blobtable import BLOB_DTYPE, BlobTable, DomainState
+from azqemu.memory.crashpoint import crash_point
 from azqemu.memory.domainview import StoreDomainView
 from azqemu.memory.encoder import T_BLOB, T_NEW, T_TEMPLATE, Encoder, EncoderOptions, Plan
-from azqemu.memory.generation import StoredSandbox, load_generation, validate_generation, write_generation
+from azqemu.memory.generation import (
+    StoredSandbox,
+    load_generation,
+    sweep_uncommitted,
+    validate_generation,
+    write_generation,
+)
 from azqemu.memory.kinds import (
     DEFAULT_DECODE_BUDGET_US,
     ENTRY_DTYPE,
@@ -51,7 +65,7 @@ from azqemu.memory.kinds import (
     RefType,
 )
 from azqemu.memory.pagedecode import locate_page, locate_rows, write_page, write_rows
-from azqemu.memory.persist import STORE_FILE, index_file_name
+from azqemu.memory.persist import RESERVE_FILE, STORE_FILE, StoreFull, ensure_reserve, release_reserve
 from azqemu.memory.sbxindex import SandboxIndex
 from azqemu.memory.template import TemplateImage
 from azqemu.memory.zstdlib import DEFAULT_LEVEL, PageZstd
@@ -59,6 +73,7 @@ from azqemu.memory.zstdlib import DEFAULT_LEVEL, PageZstd
 _KIND_ZERO, _KIND_TEMPLATE = int(Kind.ZERO), int(Kind.TEMPLATE)
 _REFTYPE_BLOB = int(RefType.BLOB)
 _NAME_OK = re.compile(r"^[^\x00]{1,1024}$")
+log = logging.getLogger(__name__)
 
 
 class NotStored(StoreError, KeyError):
@@ -118,18 +133,32 @@ class PageStore:
         self._template_paths: dict[str, dict[str, Any]] = {
             t.template_id: {"path": t.path, "n_pages": t.n_pages} for t in templates}
         self._sandboxes: dict[str, StoredSandbox] = {}
-        self._freed_files: list[str] = []
         self._dirty: set[str] = set()
+        self._changed = False           # anything to write since the last durable generation
+        self._generation = 0            # number of the last durable generation (0: none)
         self._table = BlobTable()
+        # Sandboxes the store named but could not load (name -> reason): their pages are lost.
+        self.quarantined: dict[str, str] = {}
+        # Sandboxes a destroy freed (name -> owner), durable until the name is used again.
+        self._tombstones: dict[str, str | None] = {}
+        self._reserved = ensure_reserve(self.root)    # room for a commit when full (persist.py)
         store_file = self.root / STORE_FILE
         if store_file.exists():
             loaded = load_generation(self.root, arena_bytes, self._template_paths)
             self.uuid, self._table, self._arenas = loaded.uuid, loaded.table, loaded.arenas
             self._sandboxes.update(loaded.sandboxes)
+            self._generation = loaded.generation
+            self._tombstones = dict(loaded.tombstones)
+            self.quarantined = dict(loaded.quarantined)
+            if self.quarantined:
+                # Commit the store without them, so what only they held is reclaimed.
+                self._changed = True
+                try:
+                    self.flush()
+                except StoreError as exc:
+                    log.error("%s: cannot commit the quarantine yet: %s", self.root, exc)
         else:
-            leftovers = [p.name for p in self.root.iterdir() if p.name.startswith(("arena-", "sbx-"))]
-            if leftovers:
-                raise StoreCorrupt(str(self.root), f"store files without {STORE_FILE} ({leftovers[0]}, ...)")
+            sweep_uncommitted(self.root)
             self.uuid = os.urandom(16)
             self._arenas = ArenaSet(self.root, self.uuid, arena_bytes)
 
@@ -140,6 +169,15 @@ class PageStore:
             self._templates[template.template_id] = template
             if known is None or known.get("path") is None:
                 self._template_paths[template.template_id] = {"path": template.path, "n_pages": template.n_pages}
+                self._changed = True
+
+    def drop_template(self, template_id: str) -> None:
+        """Let go of a template's image when no stored sandbox uses it (its template was
+        deleted or replaced): the manager's mapping of it goes. Reopened from its path if
+        pages of it are decoded again."""
+        with self._lock:
+            if all(sb.template_id != template_id for sb in self._sandboxes.values()):
+                self._templates.pop(template_id, None)
 
     def _template(self, template_id: str) -> TemplateImage:
         t = self._templates.get(template_id)
@@ -168,16 +206,36 @@ class PageStore:
     def domain_of(self, sandbox: str) -> str:
         return self._sandbox(sandbox).domain.name
 
+    def owner_of(self, sandbox: str) -> str | None:
+        """The owner (domain UUID) the sandbox's entries are bound to; None for entries
+        written without one (stores of earlier builds, tests)."""
+        with self._lock:
+            return self._sandbox(sandbox).owner
+
+    def tombstones(self) -> dict[str, str | None]:
+        """Sandboxes freed with ``tombstone=True`` since: name -> the owner their entries had."""
+        with self._lock:
+            return dict(self._tombstones)
+
+    def clear_tombstone(self, sandbox: str) -> None:
+        """The domain of a tombstoned sandbox is gone (reconcile): forget it at the next flush."""
+        with self._lock:
+            if self._tombstones.pop(sandbox, 0) != 0:
+                self._changed = True
+
     # ------------------------------------------------------------------ encode
     def encode(self, sandbox: str, domain: str, page_idx: np.ndarray, pages: np.ndarray,
                template: TemplateImage, *, use_siblings: bool = True,
-               hot: np.ndarray | None = None) -> EncodeResult:
+               hot: np.ndarray | None = None, owner: str | None = None) -> EncodeResult:
         """Encode resident pages of ``sandbox`` (a member of sharing ``domain``).
 
         Pages already stored for this sandbox are replaced. Returns the counts and the page
-        indices that are now stored (punch them) or left RAW (keep them resident).
+        indices that are now stored (punch them, after ``flush``) or left RAW (keep them resident).
         ``hot`` (optional, bool per page) marks pages the next resume will want first: those
         that need a codec get the cheap-to-decode one (Kind.LZ4, see kinds.HOT_DECODE_BUDGET_US).
+        ``owner`` (the domain UUID) binds the sandbox's entries: encoding for another owner
+        than the one they are bound to is refused (a reused name must be freed first).
+        Raises ``StoreFull`` (nothing stored) when the arenas' file system has no room.
         """
         if not _NAME_OK.match(sandbox) or not _NAME_OK.match(domain):
             raise StoreError("sandbox and domain names must be 1-1024 characters without NUL")
@@ -199,6 +257,9 @@ class PageStore:
                 sb = self._sandboxes.get(sandbox)
                 if sb is not None and sb.domain.name != domain:
                     raise StoreError(f"sandbox {sandbox!r} belongs to domain {sb.domain.name!r}, not {domain!r}")
+                if sb is not None and owner is not None and sb.owner not in (None, owner):
+                    raise StoreError(f"the stored pages of {sandbox!r} belong to domain UUID {sb.owner}, "
+                                     f"not {owner}: free them first")
                 d = self._table.domain(domain, template.template_id)
                 if d.template_id != template.template_id:
                     raise StoreError(f"domain {domain!r} is bound to another template")
@@ -214,7 +275,7 @@ class PageStore:
                 plan = encoder.plan(page_idx, pages, template, view, hot)
                 with self._lock:
                     if self._plan_still_valid(plan):
-                        result = self._commit(sandbox, d, template, plan)
+                        result = self._commit(sandbox, d, template, plan, owner)
                         self._maybe_compact()
                         break
             else:
@@ -230,14 +291,18 @@ class PageStore:
         ids = np.concatenate(refs).astype(np.int64)
         return bool(len(ids) == 0 or (rc[ids] > 0).all())
 
-    def _commit(self, sandbox: str, d: DomainState, template: TemplateImage, plan: Plan) -> EncodeResult:
+    def _commit(self, sandbox: str, d: DomainState, template: TemplateImage, plan: Plan,
+                owner: str | None) -> EncodeResult:
         table = self._table
         nb = plan.blobs
         n_new = len(nb)
-        new_ids = table.alloc(n_new)
-        rows = table.rows
+        # Payloads first: a StoreFull here leaves the table and the indices untouched.
         if n_new:
             arena_ids, offsets = self._arenas.append_concat(nb.payload, nb.length)
+        new_ids = table.alloc(n_new)
+        rows = table.rows
+        self._changed = True
+        if n_new:
             blob_rows = np.zeros(n_new, dtype=BLOB_DTYPE)
             blob_rows["key"] = nb.key
             blob_rows["check"] = nb.check
@@ -269,9 +334,13 @@ class PageStore:
         sb = self._sandboxes.get(sandbox)
         new_pages = plan.page_idx
         if sb is None:
-            sb = StoredSandbox(sandbox, d, template.template_id, SandboxIndex.empty(), np.zeros(0, np.uint32))
+            sb = StoredSandbox(sandbox, d, template.template_id, SandboxIndex.empty(), np.zeros(0, np.uint32),
+                               owner=owner)
             self._sandboxes[sandbox] = sb
             d.sandboxes.add(sandbox)
+            self._tombstones.pop(sandbox, None)
+        elif sb.owner is None and owner is not None:
+            sb.owner = owner
         old_p, old_k, old_f, old_r = sb.index.expand()
         replaced = np.isin(old_p, new_pages)
         if replaced.any():
@@ -297,6 +366,8 @@ class PageStore:
                             dict(plan.tries))
 
     def _release_refs(self, kind: np.ndarray, flags: np.ndarray, ref: np.ndarray) -> None:
+        # Space the last durable generation names is only reclaimed at the next commit (arena.py).
+        self._changed = True
         m = ~np.isin(kind, (_KIND_ZERO, _KIND_TEMPLATE)) & ((flags & FLAG_REF_TEMPLATE) == 0)
         freed = self._table.decref(ref[m].astype(np.int64))
         if freed:
@@ -320,6 +391,29 @@ class PageStore:
             sb = self._sandbox(sandbox)
             found, kind, _, _ = sb.index.lookup(page_idx)
             return np.where(found, kind, int(Kind.RAW)).astype(np.uint8)
+
+    def entries_match(self, sandbox: str, page_idx: np.ndarray, key: np.ndarray, check: np.ndarray) -> np.ndarray:
+        """For each page, whether its stored entry decodes to content with this XXH3-128
+        (``key``, ``check``: pagehash.page_hashes of the page now): a page still equal to its
+        entry needs no new encoding, and its resident copy can be dropped again, the entry
+        serving it. Only entries that name a blob compare (their blob records the page's hash);
+        any other entry, and a page without one, is "does not match": the safe answer."""
+        p = np.asarray(page_idx, dtype=np.int64)
+        with self._lock:
+            sb = self._sandboxes.get(sandbox)
+            if sb is None or len(p) == 0:
+                return np.zeros(len(p), dtype=bool)
+            found, kind, flags, ref = sb.index.lookup(p)
+            blob_kinds = np.isin(kind, [int(Kind.DUP), int(Kind.TDELTA), int(Kind.SDELTA), int(Kind.ZSTD),
+                                        int(Kind.LZ4)])
+            named = found & blob_kinds & ((flags & FLAG_REF_TEMPLATE) == 0)
+            out = np.zeros(len(p), dtype=bool)
+            if named.any():
+                rows = self._table.rows[ref[named].astype(np.int64)]
+                out[named] = ((rows["key"] == np.asarray(key, dtype=np.uint64)[named])
+                              & (rows["check"] == np.asarray(check, dtype=np.uint64)[named])
+                              & (rows["refcount"] > 0))
+            return out
 
     # ------------------------------------------------------------------ decode
     # Entries are looked up and their payloads copied out under the state lock; pages are
@@ -389,36 +483,39 @@ class PageStore:
                 sb.index = SandboxIndex.from_pages(p[keep], k[keep], f[keep], r[keep])
             sb.raw = sb.raw[~np.isin(sb.raw, page_idx)]
             self._dirty.add(sandbox)
+            self._changed = True
             self._maybe_compact()
 
-    def free_sandbox(self, sandbox: str) -> None:
+    def free_sandbox(self, sandbox: str, *, tombstone: bool = False) -> None:
+        """Release every entry and reference of ``sandbox`` (destroy, a reused name). Its
+        index file and the space only it held go after the next ``flush``. ``tombstone``
+        (destroy) remembers the name and owner durably (``tombstones``)."""
         with self._lock:
             sb = self._sandbox(sandbox)
+            if tombstone:
+                self._tombstones[sandbox] = sb.owner
             self._release_refs(sb.index.kind, sb.index.flags, sb.index.ref.astype(np.int64))
             del self._sandboxes[sandbox]
             sb.domain.sandboxes.discard(sandbox)
             self._dirty.discard(sandbox)
-            self._freed_files.append(index_file_name(sandbox))
+            self._changed = True
             self._maybe_compact()
+            crash_point("after-free-compact")
 
     def _maybe_compact(self) -> None:
         for arena_id in self._arenas.compaction_candidates():
-            self.compact_arena(arena_id)
+            try:
+                self.compact_arena(arena_id)
+            except StoreFull as exc:
+                # Compaction only gives memory back; with no room to copy, it waits.
+                log.warning("%s: arena %d not compacted: %s", self.root, arena_id, exc)
+                return
 
     def compact_arena(self, arena_id: int) -> None:
-        """Move the live blobs of an arena to the current one and drop its file."""
+        """Move the live blobs of an arena to the current one and drop it (ArenaSet.compact)."""
         with self._lock:
-            table = self._table
-            rows = table.rows[:table.n]
-            live = np.flatnonzero((rows["refcount"] > 0) & (rows["arena"] == arena_id))
-            payloads = [self._arenas.read(arena_id, int(rows["offset"][b]), int(rows["length"][b])) for b in live]
-            if self._arenas.current is not None and self._arenas.current.arena_id == arena_id:
-                self._arenas.retire_current()
-            locs = self._arenas.append(payloads)
-            for b, (a, o) in zip(live, locs):
-                table.rows["arena"][b] = a
-                table.rows["offset"][b] = o
-            self._arenas.drop(arena_id)
+            self._arenas.compact(arena_id, self._table.rows[:self._table.n])
+            self._changed = True
 
     # ------------------------------------------------------------------ accounting
     def owned_bytes(self, sandbox: str) -> OwnedBytes:
@@ -452,10 +549,34 @@ class PageStore:
 
     # ------------------------------------------------------------------ persistence
     def flush(self) -> None:
-        """Write everything needed to reopen the store from ``root_dir`` (generation.py)."""
+        """Write and commit a generation: everything needed to reopen the store from
+        ``root_dir`` (generation.py), then reclaim what only older generations named. When it
+        returns, every page encoded before the call survives a crash; a ``StoreFull`` (or any
+        error) leaves the previous generation the durable one and nothing reclaimed."""
         with self._lock:
-            write_generation(self.root, self.uuid, self._table, self._arenas, self._sandboxes,
-                             self._template_paths, self._dirty, self._freed_files)
+            if not self._changed and self._generation:
+                return
+            try:
+                self._write_generation()
+            except StoreFull:
+                # Full: spend the reserve on this commit (it may be the one that frees space).
+                if not release_reserve(self.root):
+                    raise
+                log.warning("%s: file system full, committing on the reserved space", self.root)
+                self._write_generation()
+            self._generation += 1
+            self._changed = False
+            if not self._reserved or not (self.root / RESERVE_FILE).exists():
+                self._reserved = ensure_reserve(self.root)
+
+    def _write_generation(self) -> None:
+        write_generation(self.root, self.uuid, self._generation + 1, self._table, self._arenas,
+                         self._sandboxes, self._template_paths, self._dirty, self._tombstones)
+
+    @property
+    def generation(self) -> int:
+        """Number of the last durable generation (0: none yet)."""
+        return self._generation
 
     def close(self) -> None:
         with self._lock:

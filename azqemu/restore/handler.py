@@ -258,6 +258,11 @@ class FaultHandler:
     def reset_service_times(self) -> None:
         self._samples = 0
 
+    @property
+    def samples_recorded(self) -> int:
+        """Service times recorded since the last reset; the newest is at (count - 1) & (ring size - 1)."""
+        return self._samples
+
     def stats(self) -> HandlerStats:
         t = self.service_times_ns()
         med, p99 = (float(np.median(t)) / 1e3, float(np.percentile(t, 99)) / 1e3) if len(t) else (0.0, 0.0)

@@ -25,6 +25,7 @@ class SchedState:
     grace_s: float = DEFAULT_GRACE_S
     tracker: PhaseTracker = field(default_factory=PhaseTracker)
     acted_on_wait_s: float = -1.0      # since_s of the wait already acted on
+    trimmed_at_s: float = -1.0         # when the last trim in a tool call was queued
     pending: Future[object] | None = None
     cpu_prev: tuple[float, float] | None = None   # (monotonic, QEMU cpu seconds)
 
@@ -43,6 +44,11 @@ class SchedActions(Protocol):
 
     def compress_and_run_on(self, name: str) -> None:
         """Compress ``name`` and let it run on, its pages served on first touch."""
+        ...
+
+    def trim_if_running(self, name: str) -> None:
+        """Drop the copies ``name`` holds that equal their stored entries, if it still runs a
+        tool call (vCPUs paused meanwhile; see policy.TRIM_AFTER_S)."""
         ...
 
     def pageout(self, name: str) -> None:

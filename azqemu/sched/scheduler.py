@@ -4,7 +4,9 @@ Every tick it looks at each sandbox's phase (``phases.PhaseTracker``) and policy
 (``policy.Policy``): a sandbox of a compressing policy that has waited for its LLM longer
 than the grace period is compressed (in a single worker, so two compressions never fight
 for the two cores of a small host); a ``linux`` sandbox gets its RAM paged out to zram
-once per wait; the ``agentzip-pressure`` ablation ignores phases and compresses the largest
+once per wait; a compressing sandbox whose tool call runs long is trimmed (what it holds
+unchanged since its last compression is dropped again) every ``policy.TRIM_EVERY_S``; the
+``agentzip-pressure`` ablation ignores phases and compresses the largest
 sandboxes while their memory is over a budget. A tool call never waits for a compression:
 ``azq exec`` cancels a running one and resumes the sandbox first (the daemon does that).
 What the scheduler does to a sandbox goes through ``actions.SchedActions``: it knows
@@ -24,7 +26,8 @@ import psutil
 
 from azqemu.host.threads import COMPRESS_NICE, set_thread_nice
 from azqemu.sched.actions import SchedActions, SchedState
-from azqemu.sched.phases import WAIT
+from azqemu.sched.phases import TOOL, WAIT
+from azqemu.sched.policy import TRIM_AFTER_S, TRIM_EVERY_S
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +73,12 @@ class Scheduler:
             if sample_host:
                 self._sample_cpu(name, st, now)
             ph = st.tracker.current()
+            if (st.policy.trim_in_tool and ph.phase == TOOL and now - ph.since_s >= TRIM_AFTER_S
+                    and now - st.trimmed_at_s >= TRIM_EVERY_S and not self._busy(st)):
+                st.trimmed_at_s = now
+                st.pending = self._worker.submit(self._job, st, f"trimming {name}",
+                                                 self.actions.trim_if_running, name)
+                continue
             waited = ph.phase == WAIT and now - ph.since_s >= st.grace_s
             if not waited or st.acted_on_wait_s == ph.since_s or self._busy(st):
                 continue

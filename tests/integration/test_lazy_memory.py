@@ -85,6 +85,39 @@ def test_twenty_compress_resume_cycles_keep_guest_memory_exact(template: str, ra
         c.call("destroy", name=name)
 
 
+def test_trim_in_a_tool_call_and_unchanged_pages_keep_guest_memory_exact(template: str) -> None:
+    """A copy-on-write sandbox resumed with its hot set is trimmed while a guest program keeps
+    changing and verifying its buffer: copies equal to their stored entries are dropped and
+    served again on their next touch, changed ones stay; the next compression encodes only
+    what changed. The guest never sees a wrong byte."""
+    c = Client()
+    (rec,) = c.call("clone", template=template, count=1, name_prefix="trim-", ram_mode="cow")
+    name = rec["name"]
+    try:
+        code, _ = sh(name, "head -c 16000000 /dev/urandom > /tmp/blob; md5sum /tmp/blob > /tmp/blob.md5")
+        assert code == 0
+        start_checker(name, 16, "t")
+        rounds = wait_rounds(name, "t", 0)
+        dropped, unchanged = 0, 0
+        for cycle in range(6):
+            st = c.call("compress", name=name)
+            unchanged += st["unchanged_pages"]
+            c.call("resume", name=name, prefetch=True)
+            rounds = wait_rounds(name, "t", rounds)
+            for _ in range(2):
+                t = c.call("trim", name=name)
+                assert t is not None and t["dropped_pages"] <= t["resident_pages"]
+                dropped += t["dropped_pages"]
+                rounds = wait_rounds(name, "t", rounds)
+                code, out = sh(name, "md5sum -c /tmp/blob.md5")
+                assert code == 0, f"cycle {cycle}: {out}"
+        assert dropped > 1000, dropped          # the blob's pages at least, after each resume
+        assert unchanged > 1000, unchanged      # re-compressions skipped the pages left as stored
+        assert c.call("dominfo", name=name)["state"] == "running"
+    finally:
+        c.call("destroy", name=name)
+
+
 @pytest.mark.parametrize("ram_mode", ["lazy", "cow"])
 def test_clone_rewrites_template_pages(template: str, ram_mode: str) -> None:
     """A clone reads template pages on first touch (lazy: copied in; copy-on-write: mapped

@@ -62,20 +62,53 @@ def test_markdown_table() -> None:
     lines = md.splitlines()
     assert lines[0] == "### density: coding-agent, 8 sandboxes (scale full, seed 1)"
     header = lines[2]
-    assert header.startswith("| policy | owned avg MiB | owned peak MiB |") and "vs none-cow" in header
+    assert header.startswith("| policy | host cost avg MiB | host cost peak MiB | vs none | vs none-cow |")
+    assert "| owned avg MiB |" in header and "| QEMU own MiB/sandbox |" in header
     rows = [ln for ln in lines if ln.startswith("| ") and not ln.startswith("| policy")]
     assert [r.split("|")[1].strip() for r in rows] == ["none", "none-cow", "linux", "azqemu"]
     az = rows[3].split("|")
-    assert az[2].strip() == "128.0" and az[5].strip() == "16.00x" and az[6].strip() == "8.00x"
+    # No host cost in this result: those cells are dashes and the ratios fall back to owned.
+    assert az[2].strip() == "—" and az[4].strip() == "16.00x" and az[5].strip() == "8.00x"
+    assert az[6].strip() == "128.0" and az[9].strip() == "60.0"
     assert "Template RAM image, counted once: 512.0 MiB." in md
-    assert "QEMU's own memory per sandbox (not in owned): 60.0-60.0 MiB." in md
+    assert "QEMU's own memory per sandbox (not in owned or host cost): 60.0-60.0 MiB." in md
+    assert "a KVM QEMU's own memory is a few tens of MiB" in md and "on owned (no host cost" in md
 
 
 def test_missing_baseline_shows_a_dash() -> None:
     res = synthetic(with_extras=False)
     del res["policies"]["none"]
     row = next(ln for ln in report.markdown_table(res).splitlines() if ln.startswith("| azqemu"))
-    assert row.split("|")[5].strip() == "—"
+    assert row.split("|")[4].strip() == "—"
+
+
+def with_host_cost(res: dict) -> dict:
+    """Host cost per policy: none 3000, none-cow 1500, linux 1000, azqemu 300 MiB."""
+    for name, mib in {"none": 3000, "none-cow": 1500, "linux": 1000, "azqemu": 300}.items():
+        res["policies"][name].update(host_cost_bytes_avg=mib * MIB, host_cost_bytes_peak=2 * mib * MIB,
+                                     manager_anon_above_idle_bytes_avg=5 * MIB, compress_cpu_s_total=7.5)
+    return res
+
+
+def test_ratios_on_host_cost_with_owned_beside() -> None:
+    r = report.ratios(with_host_cost(synthetic()))
+    assert r["azqemu"]["ratio_vs_none"] == 10.0 and r["azqemu"]["ratio_vs_none_cow"] == 5.0
+    assert r["linux"]["ratio_vs_none_cow"] == 1.5
+    assert r["azqemu"]["owned_ratio_vs_none"] == 16.0 and r["azqemu"]["owned_ratio_vs_none_cow"] == 8.0
+    md = report.markdown_table(with_host_cost(synthetic()))
+    az = next(ln for ln in md.splitlines() if ln.startswith("| azqemu")).split("|")
+    assert az[2].strip() == "300.0" and az[3].strip() == "600.0" and az[5].strip() == "5.00x"
+    assert az[10].strip() == "5.0" and az[15].strip() == "7.50"
+    assert "Ratios are baseline / policy on host cost;" in md
+    # A policy with no host cost (or none at all) cannot be divided by: no ratio, no crash.
+    res = with_host_cost(synthetic())
+    res["policies"]["azqemu"]["host_cost_bytes_avg"] = -1.0
+    assert report.ratios(res)["azqemu"]["ratio_vs_none"] is None
+
+
+def test_compare_nightly_across_the_host_cost_change() -> None:
+    # An older result (owned only) against a new one (host cost): ratios compared on owned.
+    assert report.compare_nightly(synthetic(), with_host_cost(synthetic())) == []
 
 
 def test_rich_table_prints() -> None:

@@ -58,15 +58,21 @@ def mgr(cfg: Any, host: Any, sandbox_meta_of: Any, template: TemplateMeta,
 
 
 def test_owned_sums_resident_and_stored_with_the_store_overhead(mgr: Manager) -> None:
+    mgr.memory.compress_cpu_s["m1"] = 1.5
     out = mgr.op_owned()
     rows = out["sandboxes"]
     assert set(rows) == {"m0", "m1", "c0", "down"}
     assert (out["store_bytes"], out["store_live_bytes"]) == (1500, 1000)
     assert out["manager_rss_bytes"] > 0
+    # The manager's memory in parts: its own (anon) and the page cache it maps.
+    parts = out["manager_memory"]
+    assert set(parts) == {"rss_bytes", "anon_bytes", "file_bytes", "shmem_bytes"} and parts["anon_bytes"] > 0
+    assert rows["m1"]["compress_cpu_s_total"] == 1.5
 
     assert rows["m0"] == {"name": "m0", "policy": "none-cow", "ram_mode": "eager",
                                "owned_bytes": 10 * PAGE, "resident_bytes": 10 * PAGE, "stored_bytes": 0,
-                               "qemu_own_bytes": 99_000, "compress_s_total": 0.0, "restore_s_total": 0.0}
+                               "qemu_own_bytes": 99_000, "compress_s_total": 0.0, "restore_s_total": 0.0,
+                               "compress_cpu_s_total": 0.0}
     # memfd clone with pages in the store: 2000 stored bytes x 1.5
     assert (rows["m1"]["resident_bytes"], rows["m1"]["stored_bytes"], rows["m1"]["owned_bytes"]) == \
         (20 * PAGE, 3000, 20 * PAGE + 3000)

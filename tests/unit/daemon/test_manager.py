@@ -28,6 +28,8 @@ OPS: dict[str, list[tuple[str, Any]]] = {
     "resume": [("name", inspect.Parameter.empty), ("prefetch", True)],
     "compress": [("name", inspect.Parameter.empty)],
     "destroy": [("name", inspect.Parameter.empty)],
+    "events": [("since", 0.0)],
+    "trim": [("name", inspect.Parameter.empty)],
     "owned": [("names", None)],
     "list": [],
     "dominfo": [("name", inspect.Parameter.empty)],

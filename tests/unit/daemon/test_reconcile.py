@@ -25,7 +25,7 @@ class RecordingMemory(MemoryService):
         self.compressed_names = compressed_names
 
     def attach(self, name: str, sharing_domain: str, tmpl: TemplateMeta, *, lazy_clone: bool,
-               use_siblings: bool = True) -> Any:
+               use_siblings: bool = True, owner: str | None = None) -> Any:
         self.attached.append((name, sharing_domain, tmpl.name, lazy_clone))
 
     def compressed(self, name: str) -> bool:
@@ -50,7 +50,7 @@ def test_records_follow_libvirt(registry: Registry, memory: MemoryService, host:
     report = reconcile(registry, memory)
 
     assert report == {"kept": ["kept"], "dropped": ["vanished"], "adopted": ["orphan"],
-                      "removed": ["azq-template-x"]}
+                      "removed": ["azq-template-x"], "freed": [], "failed": []}
     with pytest.raises(SandboxNotFound):
         registry.record("vanished")
     assert not vm_paths("vanished").vm_dir.exists()
@@ -89,4 +89,4 @@ def test_a_second_reconcile_changes_nothing(registry: Registry, memory: MemorySe
     first = reconcile(registry, memory)
     second = reconcile(registry, memory)
     assert first["adopted"] == ["a"]
-    assert second == {"kept": ["a"], "dropped": [], "adopted": [], "removed": []}
+    assert second == {"kept": ["a"], "dropped": [], "adopted": [], "removed": [], "freed": [], "failed": []}

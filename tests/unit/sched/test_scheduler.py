@@ -50,6 +50,9 @@ class FakeActions:
     def pageout(self, name: str) -> None:
         self.calls.append(("pageout", name))
 
+    def trim_if_running(self, name: str) -> None:
+        self.calls.append(("trim", name))
+
     def qemu_pid(self, name: str) -> int | None:
         return None
 
@@ -126,7 +129,33 @@ def test_a_tool_call_within_the_grace_period_cancels(sched: Scheduler, fake: Fak
     st.tracker.exec_ended()
     clock.t += 0.5
     _tick(sched)  # the new wait is younger than the grace period
-    assert fake.calls == []
+    assert [c for c in fake.calls if c[0] == "compress"] == []
+    assert fake.calls == [("trim", "a")]   # the 5 s tool call was trimmed once, nothing else
+
+
+def test_a_long_tool_call_is_trimmed_every_few_seconds_only_under_trimming_policies(
+        sched: Scheduler, fake: FakeActions, clock: Clock) -> None:
+    from azqemu.sched.policy import TRIM_AFTER_S, TRIM_EVERY_S
+
+    az = _add(fake, clock, "az", "agentzip")
+    nt = _add(fake, clock, "nt", "agentzip-no-trim")
+    cow = _add(fake, clock, "cow", "none-cow")
+    for st in (az, nt, cow):
+        st.tracker.exec_started()
+    clock.t += TRIM_AFTER_S - 0.5
+    _tick(sched)
+    assert fake.calls == []                          # too early in the tool call
+    clock.t += 1.0
+    _tick(sched)
+    _tick(sched)
+    assert fake.calls == [("trim", "az")]            # once, not at every tick
+    clock.t += TRIM_EVERY_S
+    _tick(sched)
+    assert fake.calls == [("trim", "az")] * 2
+    az.tracker.exec_ended()                          # a wait: no more trims, a compression
+    clock.t += TRIM_EVERY_S
+    _tick(sched)
+    assert fake.calls == [("trim", "az")] * 2 + [("compress", "az")]
 
 
 def test_a_tool_call_after_the_decision_cancels_the_queued_compression(sched: Scheduler, fake: FakeActions,

@@ -1,0 +1,185 @@
+"""The manager killed (SIGKILL) at a crash point of a compression, with a real guest: the next
+manager serves every page the guest lost, the guest's md5 and its checker agree, and the next
+compression works (docs/memory.md, "Crash consistency").
+
+The daemon is restarted with ``AZQ_CRASH_AT`` (azqemu/memory/crashpoint.py) set, asked to
+compress, dies at the point, and is started again without it.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from azqemu.daemon import proc as daemonproc
+from azqemu.daemon.client import Client
+from azqemu.errors import AzqemuError, RemoteError
+
+pytestmark = [pytest.mark.vm, pytest.mark.root, pytest.mark.uffd]
+CHECKER = (Path(__file__).parent / "guest_checker.py").read_text()
+
+
+# The guest helpers of test_lazy_memory.py (a test module is not imported from another).
+def sh(name: str, cmd: str, timeout_s: float = 120) -> tuple[int, str]:
+    r = Client().call("exec", name=name, argv=["/bin/sh", "-c", cmd], timeout_s=timeout_s)
+    return r["exit_code"], base64.b64decode(r["stdout_b64"]).decode().strip()
+
+
+def start_checker(name: str, size_mib: int, tag: str) -> None:
+    Client().call("exec", name=name, argv=["/bin/sh", "-c", "cat > /tmp/checker.py"],
+                  stdin_b64=base64.b64encode(CHECKER.encode()).decode())
+    code, _ = sh(name, f"nohup python3 /tmp/checker.py {size_mib} /tmp/st-{tag} {name}-{tag} "
+                       f">/dev/null 2>&1 & sleep 0.5; echo started")
+    assert code == 0
+
+
+def wait_rounds(name: str, tag: str, above: int, timeout_s: float = 60) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        code, out = sh(name, f"cat /tmp/st-{tag} 2>/dev/null || echo NONE")
+        assert not out.startswith("BAD"), f"{name}: guest saw wrong data: {out}"
+        n = int(out.split()[1]) if out.startswith("OK") else 0
+        if n > above:
+            return n
+        time.sleep(0.3)
+    raise AssertionError(f"{name}: checker {tag} made no progress past round {above}")
+
+
+@pytest.fixture(autouse=True)
+def _needs_lazy() -> None:
+    from azqemu.host.doctor import restore_mode
+
+    mode, why = restore_mode()
+    if mode != "lazy":
+        pytest.skip(f"no userfaultfd export here: {why}")
+
+
+def _restart(daemon: dict, crash_at: str | None = None, fail_at: str | None = None) -> None:
+    daemonproc.stop(daemon["proc"])
+    for var, value in (("AZQ_CRASH_AT", crash_at), ("AZQ_FAIL_AT", fail_at)):
+        if value:
+            os.environ[var] = value
+    try:
+        daemon["proc"] = _start()
+    finally:
+        os.environ.pop("AZQ_CRASH_AT", None)
+        os.environ.pop("AZQ_FAIL_AT", None)
+
+
+def _start() -> object:
+    from azqemu import config as config_mod
+    from azqemu.errors import DaemonError
+
+    try:
+        return daemonproc.start()
+    except DaemonError as exc:
+        log = (config_mod.load().run_dir / "daemon.log").read_text()[-4000:]
+        raise AssertionError(f"{exc}\n{log}") from exc
+
+
+# Fresh anonymous memory in the guest: the kernel hands out freed pages, which init_on_free
+# zeroed; one byte written per page, the rest must still be zero (a page served from the
+# template instead of zero shows here).
+FRESH_ZERO_CHECK = """
+import mmap
+n = 160 << 20
+m = mmap.mmap(-1, n)
+for off in range(0, n, 4096):
+    m[off] = 1
+print(sum(1 for off in range(0, n, 4096) if m[off + 1:off + 4096].count(0) != 4095))
+"""
+
+
+def _fresh_pages_zero(name: str) -> None:
+    code, out = sh(name, f"python3 -c '{FRESH_ZERO_CHECK}'")
+    assert (code, out) == (0, "0"), f"fresh guest pages not zero: {code} {out}"
+
+
+def _md5_ok(name: str) -> None:
+    code, out = sh(name, "md5sum -c /tmp/blob.md5")
+    assert code == 0, out
+
+
+@pytest.mark.parametrize(("ram_mode", "point"), [
+    ("lazy", "after-discard-batch@2"), ("lazy", "after-flush"), ("lazy", "after-encode"),
+    ("cow", "after-discard-batch"), ("cow", "between-generation-files"),
+    ("eager", "after-discard-batch@3"), ("eager", "after-commit")])
+def test_manager_killed_during_compress_loses_no_page(template: str, daemon: dict, ram_mode: str,
+                                                      point: str) -> None:
+    c = Client()
+    (rec,) = c.call("clone", template=template, count=1, name_prefix=f"crash{ram_mode}-", ram_mode=ram_mode)
+    name = rec["name"]
+    try:
+        code, _ = sh(name, "head -c 20000000 /dev/urandom > /tmp/blob; md5sum /tmp/blob > /tmp/blob.md5")
+        assert code == 0
+        start_checker(name, 24, "c")
+        rounds = wait_rounds(name, "c", 0)
+        c.call("compress", name=name)            # a generation before the one that crashes
+        _md5_ok(name)                            # exec resumes it
+        rounds = wait_rounds(name, "c", rounds)
+
+        # Pages the guest wrote and freed again (init_on_free zeroes them): the compression
+        # finds them ZERO, and a copy-on-write clone maps them to the zero page after the
+        # DISCARD; a manager killed in between must not serve them from the template.
+        code, _ = sh(name, "head -c 30000000 /dev/urandom > /tmp/junk; rm /tmp/junk; "
+                           "sync; echo 3 > /proc/sys/vm/drop_caches")
+        assert code == 0
+        _restart(daemon, point)
+        with pytest.raises(AzqemuError):
+            c.call("compress", name=name)
+        assert daemon["proc"].wait(60) == -signal.SIGKILL
+
+        daemon["proc"] = _start()
+        c.call("resume", name=name, prefetch=False)      # every lost page comes by a fault
+        _fresh_pages_zero(name)
+        _md5_ok(name)
+        rounds = wait_rounds(name, "c", rounds, timeout_s=180)
+        st = c.call("compress", name=name)       # the next compression works
+        assert st["stored_pages"] > 0 and not st["cancelled"]
+        _md5_ok(name)
+        wait_rounds(name, "c", rounds, timeout_s=180)
+    finally:
+        if not daemonproc.running():
+            daemon["proc"] = _start()
+        c.call("destroy", name=name)
+
+
+@pytest.mark.parametrize("ram_mode", ["lazy", "cow"])
+def test_store_full_at_commit_abandons_the_compression(template: str, daemon: dict, ram_mode: str) -> None:
+    """The flush that must commit the pages before QEMU drops them fails with StoreFull
+    (injected: AZQ_FAIL_AT=flush-before-drop; the real ENOSPC of a flush, reserve retry
+    included, is tests/unit/memory/test_store_durability.py's): the compression fails before
+    anything is dropped, the guest keeps every page and the next compression works."""
+    c = Client()
+    (rec,) = c.call("clone", template=template, count=1, name_prefix=f"full{ram_mode}-", ram_mode=ram_mode)
+    name = rec["name"]
+    try:
+        code, _ = sh(name, "head -c 20000000 /dev/urandom > /tmp/blob; md5sum /tmp/blob > /tmp/blob.md5")
+        assert code == 0
+        start_checker(name, 24, "f")
+        rounds = wait_rounds(name, "f", 0)
+        c.call("compress", name=name)
+        _md5_ok(name)
+        rounds = wait_rounds(name, "f", rounds)
+        _restart(daemon, fail_at="flush-before-drop")
+        with pytest.raises(RemoteError) as err:
+            c.call("compress", name=name)
+        assert err.value.error_type == "StoreFull", err.value
+        c.call("resume", name=name, prefetch=False)
+        _fresh_pages_zero(name)
+        _md5_ok(name)
+        rounds = wait_rounds(name, "f", rounds, timeout_s=180)
+        st = c.call("compress", name=name)
+        assert st["stored_pages"] > 0 and not st["cancelled"]
+        _md5_ok(name)
+        wait_rounds(name, "f", rounds, timeout_s=180)
+    finally:
+        if not daemonproc.running():
+            daemon["proc"] = _start()
+        c.call("destroy", name=name)
+        _restart(daemon)            # without AZQ_FAIL_AT for the tests after this one

@@ -1,0 +1,62 @@
+"""The density summary's arithmetic: host cost = host used above idle - QEMU's own memory,
+sample by sample; the manager's own memory above the idle manager; compression CPU."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from azqemu.bench import report
+from azqemu.bench.density import PolicyRun, StepResult, summarize
+
+MIB = 1 << 20
+
+
+def _run(policy: str, used_mib: list[float], qemu_mib: list[float], *, anon_mib: list[float] | None = None,
+         extra: dict[str, Any] | None = None, with_cost_series: bool = True) -> PolicyRun:
+    t = [float(i) for i in range(len(used_mib))]
+    series: dict[str, list[float]] = {
+        "t_s": t, "owned_bytes": [10.0 * MIB] * len(t), "host_used_bytes": [u * MIB for u in used_mib],
+        "store_bytes": [0.0] * len(t), "zram_bytes": [0.0] * len(t), "manager_rss_bytes": [80.0 * MIB] * len(t),
+        "qemu_own_bytes": [q * MIB for q in qemu_mib]}
+    if with_cost_series:
+        series["host_cost_bytes"] = [(u - q) * MIB for u, q in zip(used_mib, qemu_mib)]
+        series["manager_anon_bytes"] = [a * MIB for a in (anon_mib or [0.0] * len(t))]
+    steps = [StepResult(0, 0, "t", 0, 1.0, "x")]
+    return PolicyRun(policy, series, steps, dict(extra or {}))
+
+
+def test_host_cost_is_host_used_minus_qemu_own() -> None:
+    runs = [_run("none-cow", [400, 600, 600], [200, 300, 300], anon_mib=[30, 31, 32],
+                 extra={"manager_idle_anon_bytes": 30 * MIB, "compress_s_total": 0.0}),
+            _run("agentzip", [300, 500, 300], [200, 300, 300], anon_mib=[30, 40, 30],
+                 extra={"manager_idle_anon_bytes": 28 * MIB, "compress_s_total": 2.0,
+                        "compress_cpu_s_total": 1.25})]
+    res = summarize(SimpleNamespace(name="w"), 2, runs, 100 * MIB)  # type: ignore[arg-type]
+    cow, az = res["policies"]["none-cow"], res["policies"]["agentzip"]
+    # Host cost per sample: 200, 300, 300 MiB -> time-weighted average 275, peak 300.
+    assert cow["host_cost_bytes_avg"] == pytest.approx(275 * MIB)
+    assert cow["host_cost_bytes_peak"] == 300 * MIB
+    # agentzip: 100, 200, 0 -> average 125, peak 200.
+    assert az["host_cost_bytes_avg"] == pytest.approx(125 * MIB) and az["host_cost_bytes_peak"] == 200 * MIB
+    # QEMU's own memory stays per sandbox (2 sandboxes): (200+300)/2/2 ... time-weighted 275/2.
+    assert cow["qemu_own_bytes_avg"] == pytest.approx(275 * MIB / 2)
+    assert az["manager_anon_above_idle_bytes_avg"] == pytest.approx((35 - 28) * MIB)
+    assert cow["manager_anon_above_idle_bytes_avg"] == pytest.approx((31 - 30) * MIB)
+    assert az["compress_cpu_s_total"] == 1.25 and cow["compress_cpu_s_total"] == 0.0
+    # Every earlier key is still there.
+    for key in report.REQUIRED_POLICY_KEYS + ("manager_rss_bytes_avg", "host_used_bytes_avg",
+                                              "owned_bytes_avg_per_sandbox", "store_bytes_avg"):
+        assert key in az
+    # The ratio against none-cow is taken on host cost: 275 / 125.
+    assert report.ratios(res)["agentzip"]["ratio_vs_none_cow"] == pytest.approx(2.2)
+
+
+def test_series_without_host_cost_are_derived() -> None:
+    run = _run("linux", [500, 700], [100, 300], with_cost_series=False)
+    pol = summarize(SimpleNamespace(name="w"), 1, [run], 0)["policies"]["linux"]  # type: ignore[arg-type]
+    assert pol["host_cost_bytes_avg"] == pytest.approx(400 * MIB) and pol["host_cost_bytes_peak"] == 400 * MIB
+    assert math.isnan(pol["manager_anon_above_idle_bytes_avg"])
