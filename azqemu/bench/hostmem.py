@@ -48,14 +48,27 @@ class Baseline:
     spread_bytes: int           # max - min of used_bytes while measuring (noise on this host)
 
 
+# The idle baseline waits (up to SETTLE_TIMEOUT_S) until host memory in use stops moving by
+# more than SETTLE_SPREAD_BYTES over its window: right after a template build or the previous
+# policy's sandboxes, the kernel is still freeing exited QEMUs' memory, and a baseline taken
+# then is too high (measured: a 1-sandbox point above the 2-sandbox one in a capacity sweep).
+SETTLE_SPREAD_BYTES = 16 << 20
+SETTLE_TIMEOUT_S = 30.0
+
+
 def idle_baseline(duration_s: float = 3.0, interval_s: float = 0.25) -> Baseline:
-    """Measure the host before any sandbox exists; subtract ``used_bytes`` from host_used."""
-    samples = []
-    end = time.monotonic() + duration_s
+    """Measure the host before any sandbox exists; subtract ``used_bytes`` from host_used.
+    The window slides until it is steady (or SETTLE_TIMEOUT_S passed)."""
+    samples: list[dict[str, float]] = []
+    window = max(2, int(duration_s / interval_s) + 1)
+    give_up = time.monotonic() + SETTLE_TIMEOUT_S
     while True:
         samples.append(sample_host())
-        if time.monotonic() >= end:
-            break
+        samples = samples[-window:]
+        if len(samples) == window:
+            recent = [s["used_bytes"] for s in samples]
+            if max(recent) - min(recent) <= SETTLE_SPREAD_BYTES or time.monotonic() >= give_up:
+                break
         time.sleep(interval_s)
     used = np.array([s["used_bytes"] for s in samples])
     return Baseline(

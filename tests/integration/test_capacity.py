@@ -1,6 +1,6 @@
 """`azq bench capacity` end to end at its smallest: two fan-outs (1 and 2 sandboxes), the
-copy-on-write baseline and agentzip, one workload; the JSON contract and finite, positive
-fitted figures (the fixed part: finite)."""
+copy-on-write baseline and agentzip, one workload; the JSON contract, finite host-cost fits
+(host-wide, noisy at this size) and positive fits on the daemon's own accounting."""
 
 from __future__ import annotations
 
@@ -51,16 +51,18 @@ def test_capacity_sweep_json_contract(daemon: object, azq, tmp_path: Path) -> No
     assert set(result["policies"]) == set(POLICIES)
     for name, pol in result["policies"].items():
         assert pol["failed_steps"] == 0, name
-        # Host-wide figures: other work on the host moves them; the points say by how much.
-        v = pol["marginal_host_cost_bytes"]
-        assert isinstance(v, (int, float)) and math.isfinite(v) and v > 0, (name, v, pol["points"])
-        # The fixed part is finite but may be either side of zero: for none-cow it is ~0 (the
-        # template's RAM image is in the idle baseline), and two fan-outs measure it roughly.
-        v = pol["fixed_host_cost_bytes"]
-        assert isinstance(v, (int, float)) and math.isfinite(v), (name, v, pol["points"])
+        # Host-wide figures: two fan-outs of one and two sandboxes are within what the host's
+        # own churn moves (seen: a negative slope on a quiet CI host), so only their form is
+        # checked; a slope that is not positive gives no fit (None), never a made-up count.
+        for key in ("marginal_host_cost_bytes", "fixed_host_cost_bytes"):
+            v = pol[key]
+            assert isinstance(v, (int, float)) and math.isfinite(v), (name, key, v, pol["points"])
         for key in ("fit_host_cost", "fit_with_qemu"):
-            assert isinstance(pol[key], int) and pol[key] > 0, (name, key, pol[key])
-        assert pol["fit_with_qemu"] <= pol["fit_host_cost"]
+            assert pol[key] is None or (isinstance(pol[key], int) and pol[key] >= 0), (name, key, pol[key])
+        if pol["marginal_host_cost_bytes"] > 0:
+            assert pol["fit_with_qemu"] <= pol["fit_host_cost"]
+        else:
+            assert pol["fit_host_cost"] is None
         # The daemon's own accounting (not moved by other work on the host): each sandbox owns
         # most of its 320 MiB of random data.
         assert pol["marginal_accounted_bytes"] > 200 * MIB, (name, pol["points"])
