@@ -244,15 +244,16 @@ def _short(policy: str) -> str:
             "agentzip-no-sibling": "ans", "agentzip-pressure": "ap"}.get(policy, policy[:4])
 
 
-def _destroy_prefixed(c: Client, prefix: str) -> None:
+def _destroy_prefixed(c: Client, prefix: str) -> int:
     """Destroy every sandbox whose name has this benchmark prefix (what a killed or
-    interrupted run left behind)."""
+    interrupted run left behind); returns how many there were."""
     try:
         left = [s["name"] for s in c.call("list") if s["name"].startswith(prefix)]
     except AzqemuError as exc:
         log.warning("cannot list sandboxes to clean up: %s", exc)
-        return
+        return 0
     _destroy_all(c, left)
+    return len(left)
 
 
 def _destroy_all(c: Client, names: list[str]) -> None:
@@ -334,10 +335,9 @@ def _run_density(wl: Workload, sandboxes: int, policies: list[str], *, seed: int
                  grace_s: float, pressure_budget_bytes: int | None,
                  progress: Callable[[str], None]) -> dict[str, Any]:
     c = Client()
-    left = [s["name"] for s in c.call("list") if s["name"].startswith(BENCH_PREFIX)]
+    left = _destroy_prefixed(c, BENCH_PREFIX)
     if left:
-        progress(f"destroying {len(left)} sandboxes an earlier benchmark run left behind")
-        _destroy_all(c, left)
+        progress(f"destroyed {left} sandboxes an earlier benchmark run left behind")
     template = ensure_workload_template(c, wl, progress)
     tmeta = next(t for t in c.call("template_list") if t["name"] == template)
     plan = wl.plan(sandboxes, seed, scale)

@@ -47,7 +47,8 @@ def start(log_path: str | None = None) -> subprocess.Popen[bytes]:
 
 
 def stop(proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
-    """Stop a daemon this process started (by its pid only)."""
+    """Stop a process this one started (a daemon, or a service a test started), by its pid
+    only: SIGTERM, then SIGKILL after ``timeout_s``."""
     if proc.poll() is None:
         os.kill(proc.pid, signal.SIGTERM)
         try:

@@ -284,8 +284,7 @@ class SandboxMemory:
             # and test_sandboxmem_trim.py check the entries serve the same bytes).
             unchanged = np.empty(0, dtype=np.int64)
             if self.cow and self.name in self.store.sandboxes() and len(idx):
-                key, check = page_hashes(pages)
-                same = self.store.entries_match(self.name, idx, key, check)
+                same = self._equal_to_entries(idx, pages)
                 unchanged = idx[same]
                 enc_idx, enc_pages = idx[~same], pages[~same]
             else:
@@ -373,8 +372,7 @@ class SandboxMemory:
             idx, pages = self._read_resident()
             st.resident_pages = len(idx)
             if len(idx):
-                key, check = page_hashes(pages)
-                drop = idx[self.store.entries_match(self.name, idx, key, check)]
+                drop = idx[self._equal_to_entries(idx, pages)]
                 del pages
                 # A page that faulted back since the last compression is in use: dropping it
                 # again would only make it fault again at every trim. What goes is what the
@@ -389,6 +387,12 @@ class SandboxMemory:
                     pass   # a resume or destroy asked first: nothing was dropped
             st.total_s = time.perf_counter() - t0
             return st
+
+    def _equal_to_entries(self, idx: np.ndarray, pages: np.ndarray) -> np.ndarray:
+        """For each copy, whether it still equals its stored entry (XXH3-128 of the page
+        against the hash its blob recorded; PageStore.entries_match)."""
+        key, check = page_hashes(pages)
+        return self.store.entries_match(self.name, idx, key, check)
 
     def _check_cancel(self, done: int = 0) -> None:
         if self._cancel.is_set():

@@ -8,55 +8,22 @@ compress, dies at the point, and is started again without it.
 
 from __future__ import annotations
 
-import base64
 import os
 import signal
-import time
-from pathlib import Path
 
 import pytest
 
 from azqemu.daemon import proc as daemonproc
 from azqemu.daemon.client import Client
 from azqemu.errors import AzqemuError, RemoteError
+from tests.support.guest import needs_lazy_restore, sh, start_checker, wait_rounds
 
 pytestmark = [pytest.mark.vm, pytest.mark.root, pytest.mark.uffd]
-CHECKER = (Path(__file__).parent / "guest_checker.py").read_text()
-
-
-# The guest helpers of test_lazy_memory.py (a test module is not imported from another).
-def sh(name: str, cmd: str, timeout_s: float = 120) -> tuple[int, str]:
-    r = Client().call("exec", name=name, argv=["/bin/sh", "-c", cmd], timeout_s=timeout_s)
-    return r["exit_code"], base64.b64decode(r["stdout_b64"]).decode().strip()
-
-
-def start_checker(name: str, size_mib: int, tag: str) -> None:
-    Client().call("exec", name=name, argv=["/bin/sh", "-c", "cat > /tmp/checker.py"],
-                  stdin_b64=base64.b64encode(CHECKER.encode()).decode())
-    code, _ = sh(name, f"nohup python3 /tmp/checker.py {size_mib} /tmp/st-{tag} {name}-{tag} "
-                       f">/dev/null 2>&1 & sleep 0.5; echo started")
-    assert code == 0
-
-
-def wait_rounds(name: str, tag: str, above: int, timeout_s: float = 60) -> int:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        code, out = sh(name, f"cat /tmp/st-{tag} 2>/dev/null || echo NONE")
-        assert not out.startswith("BAD"), f"{name}: guest saw wrong data: {out}"
-        n = int(out.split()[1]) if out.startswith("OK") else 0
-        if n > above:
-            return n
-        time.sleep(0.3)
-    raise AssertionError(f"{name}: checker {tag} made no progress past round {above}")
 
 
 @pytest.fixture(autouse=True)
 def _needs_lazy() -> None:
-    from azqemu.host.doctor import restore_mode
-
-    mode, why = restore_mode()
-    if mode != "lazy":
-        pytest.skip(f"no userfaultfd export here: {why}")
+    needs_lazy_restore()
 
 
 def _restart(daemon: dict, crash_at: str | None = None, fail_at: str | None = None) -> None:

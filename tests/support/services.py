@@ -11,7 +11,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -21,7 +20,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from azqemu.daemon.proc import stop
+
 REPO = Path(__file__).resolve().parents[2]
+STOP_TIMEOUT_S = 20.0
 PLACEMENT_VENV = Path(os.environ.get("AZQ_PLACEMENT_VENV", REPO / ".placement-venv"))
 
 PLACEMENT_SERVE = """
@@ -42,17 +44,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def stop(proc: subprocess.Popen[bytes], timeout_s: float = 20.0) -> None:
-    """Stop a process this test started, by its pid only."""
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 60.0,
@@ -103,7 +94,7 @@ def prometheus(target: str, workdir: Path) -> Iterator[Prometheus]:
         wait_http(f"{url}/-/ready", proc, log)
         yield Prometheus(url, proc)
     finally:
-        stop(proc)
+        stop(proc, STOP_TIMEOUT_S)
 
 
 @contextlib.contextmanager
@@ -126,4 +117,4 @@ def placement(workdir: Path) -> Iterator[str]:
         wait_http(url, proc, log, headers={"x-auth-token": "admin"})
         yield url
     finally:
-        stop(proc)
+        stop(proc, STOP_TIMEOUT_S)
