@@ -2,6 +2,9 @@
 
     AzqemuError                     root; ``str(err)`` is the one line a user sees
     ├── ConfigError                 bad configuration or command-line input
+│   ├── MalformedRequest        an API request body that is not JSON
+│   ├── RequestInvalid          an API request of the wrong shape (``errors``: where and why)
+│   └── PayloadTooLarge         an API request or upload above its limit (``limit_bytes``)
     ├── HostError                   the host cannot do what was asked
     │   ├── LibvirtUnavailable      libvirtd does not answer
     │   ├── DiskFull                no room for the state directory (``path``, ``needed_bytes``)
@@ -17,6 +20,10 @@
     ├── SandboxError
     │   ├── SandboxNotFound         (``name``)
     │   ├── SandboxExists           (``name``)
+    │   ├── GuestFileError          a file in a sandbox cannot be written or read (``name``, ``path``)
+    │   │   └── GuestFileNotFound
+    │   ├── SandboxStateError       its lifecycle state forbids the operation (``name``, ``state``,
+    │   │                           ``operation``, ``reason``; daemon/states.py)
     │   └── GuestWorkloadError      a benchmark's guest program failed (azqemu.bench.restore_bench)
     ├── QMPError                    a QMP command failed (``error_class``)
     ├── AgentError                  the QEMU guest agent failed
@@ -25,12 +32,17 @@
     ├── StoreError                  the page store
     │   ├── StoreCorrupt            a damaged store or page (``path``, ``detail``)
     │   ├── StoreForeign            not an azqemu store, or another version
+    │   ├── StoreFull               no room (ENOSPC/EDQUOT) for ``what`` at ``path``; nothing dropped
     │   └── ChecksumMismatch        a decoded page does not match its checksum (``page_idx``)
     ├── RestoreError                userfaultfd export, handler or prefetch
     ├── PlacementError              OpenStack Placement refused or could not be reached (``status``)
     └── DaemonError                 the manager daemon
         ├── DaemonUnavailable       no daemon on the socket (``socket_path``)
-        └── RemoteError             an error raised in the daemon (``error_type``, ``exit_code``)
+        ├── DaemonBusy              the daemon serves its maximum of requests (``limit``)
+        ├── Unauthorized            the API's TCP listener: no or a wrong bearer token
+        ├── ApiNotFound             no such API route, method or job (``path``)
+        └── RemoteError             an error raised in the daemon that this side cannot rebuild
+                                    (``error_type``, ``exit_code``)
 """
 
 from __future__ import annotations
@@ -44,6 +56,22 @@ class AzqemuError(Exception):
 
 class ConfigError(AzqemuError):
     exit_code = 2
+
+
+class MalformedRequest(ConfigError):
+    pass
+
+
+class RequestInvalid(ConfigError):
+    def __init__(self, message: str, errors: list[dict[str, str]] | None = None) -> None:
+        self.errors = errors or []
+        super().__init__(message)
+
+
+class PayloadTooLarge(ConfigError):
+    def __init__(self, what: str, limit_bytes: int) -> None:
+        self.limit_bytes = limit_bytes
+        super().__init__(f"{what} is larger than its limit of {limit_bytes} bytes")
 
 
 class HostError(AzqemuError):
@@ -129,6 +157,25 @@ class SandboxExists(SandboxError):
         super().__init__(f"a domain named {name!r} already exists")
 
 
+class SandboxStateError(SandboxError):
+    """The sandbox is in a lifecycle state (azqemu/daemon/states.py) that forbids ``operation``
+    (a failed sandbox carries its ``reason``; only destroy is left to it)."""
+
+    def __init__(self, name: str, state: str, operation: str, reason: str | None = None) -> None:
+        self.name, self.state, self.operation, self.reason = name, state, operation, reason
+        super().__init__(f"sandbox {name!r} is {state}: cannot {operation}" + (f" ({reason})" if reason else ""))
+
+
+class GuestFileError(SandboxError):
+    def __init__(self, name: str, path: str, detail: str) -> None:
+        self.name, self.path, self.detail = name, path, detail
+        super().__init__(f"{path} in {name!r}: {detail}")
+
+
+class GuestFileNotFound(GuestFileError):
+    pass
+
+
 class QMPError(AzqemuError):
     def __init__(self, message: str, error_class: str | None = None) -> None:
         self.error_class = error_class
@@ -167,6 +214,18 @@ class StoreForeign(StoreError):
         super().__init__(f"{path} is not an azqemu page store this version can read: {detail}")
 
 
+class StoreFull(StoreError):
+    """The store's file system has no room (ENOSPC/EDQUOT) for ``what``: nothing was dropped,
+    the caller keeps its pages. Exit code 75 (EX_TEMPFAIL): space may come back (a destroy,
+    a compaction), so trying again later is the user's remedy."""
+
+    exit_code = 75
+
+    def __init__(self, path: str, what: str) -> None:
+        self.path, self.what = path, what
+        super().__init__(f"page store full at {path}: {what}")
+
+
 class ChecksumMismatch(StoreError):
     def __init__(self, page_idx: int, detail: str = "") -> None:
         self.page_idx = page_idx
@@ -192,6 +251,22 @@ class DaemonUnavailable(DaemonError):
         self.socket_path = socket_path
         super().__init__(f"no azqemu daemon at {socket_path}" + (f" ({detail})" if detail else "")
                          + "; start it with 'azq daemon'")
+
+
+class DaemonBusy(DaemonError):
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        super().__init__(f"the daemon serves {limit} requests already; try again")
+
+
+class Unauthorized(DaemonError):
+    pass
+
+
+class ApiNotFound(DaemonError):
+    def __init__(self, message: str, path: str = "") -> None:
+        self.path = path
+        super().__init__(message)
 
 
 class RemoteError(DaemonError):

@@ -28,7 +28,7 @@ import numpy as np
 
 from azqemu.bench import hostmem
 from azqemu.bench.workload import Step, Workload
-from azqemu.daemon.client import Client
+from azqemu.client import Client
 from azqemu.errors import AzqemuError, ConfigError
 from azqemu.host import memacct, procfs
 from azqemu.host.linuxmm import signals_raise
@@ -94,7 +94,7 @@ class _Sampler:
         self._thread.join(10)
 
     def sample(self) -> None:
-        r = self.c.call("owned", names=self.names)
+        r = self.c.owned(self.names).as_json()
         host = procfs.read_meminfo()
         zram = memacct.read_zram_total()
         rows = r["sandboxes"]
@@ -148,7 +148,7 @@ def _run_plan(c: Client, names: list[str], plan: list[list[Step]],
                 return
             t0 = time.monotonic()
             try:
-                r = c.call("exec", name=name, argv=["/bin/sh", "-c", step.tool], timeout_s=step.timeout_s)
+                r = c.exec(name, ["/bin/sh", "-c", step.tool], timeout_s=step.timeout_s).as_json()
             except AzqemuError as exc:
                 # Recorded as a failed step (the summary counts them), the run goes on.
                 progress(f"  sandbox {i} step {k} failed: {exc}")
@@ -160,7 +160,7 @@ def _run_plan(c: Client, names: list[str], plan: list[list[Step]],
                                           hashlib.sha256(out).hexdigest()[:16], r.get("resume_s", 0.0),
                                           r.get("prefetched_pages", 0), r.get("error", "")))
             # The orchestrator now waits for its LLM: say so (the strongest phase source).
-            c.call("phase", name=name, phase="wait")
+            c.phase(name, "wait")
             if stop.wait(step.wait_s):
                 return
         progress(f"  sandbox {i} done ({len(plan[i])} steps)")
@@ -179,7 +179,7 @@ def _run_plan(c: Client, names: list[str], plan: list[list[Step]],
 
 def _manager_memory(c: Client) -> dict[str, int]:
     """The manager's RSS and its own (anonymous) memory, as the daemon reports them."""
-    r = c.call("owned", names=[])
+    r = c.owned([]).as_json()
     return {"rss_bytes": int(r["manager_rss_bytes"]), "anon_bytes": int(r.get("manager_memory", {}).get("anon_bytes", 0))}
 
 
@@ -208,13 +208,13 @@ def run_policy(c: Client, template: str, wl: Workload, plan: list[list[Step]], p
         # Registered before the clone call: an interrupt while the daemon clones leaves
         # sandboxes the reply never named; they are found by their prefix.
         stack.callback(_destroy_prefixed, c, prefix)
-        rows = c.call("clone", template=template, count=n, name_prefix=prefix,
-                      policy=policy, grace_s=grace_s, sharing_domain="bench")
-        names = [r["name"] for r in rows]
+        rows = c.clone(template, count=n, name_prefix=prefix, policy=policy, grace_s=grace_s,
+                       sharing_domain="bench")
+        names = [r.name for r in rows]
         stack.callback(_destroy_all, c, names)
         run.extra["clone_s_total"] = time.monotonic() - t0
         if pol.pressure:
-            c.call("set_policy", names=names, policy=policy, pressure_budget_bytes=pressure_budget_bytes or 0)
+            c.set_policy(names, policy, pressure_budget_bytes=pressure_budget_bytes or 0)
         if pol.linux_reclaim:
             kc = wait_ksm_converged(timeout_s=KSM_CONVERGE_TIMEOUT_S)
             run.extra["ksm_converge_s"] = getattr(kc, "elapsed_s", None)
@@ -248,7 +248,7 @@ def _destroy_prefixed(c: Client, prefix: str) -> int:
     """Destroy every sandbox whose name has this benchmark prefix (what a killed or
     interrupted run left behind); returns how many there were."""
     try:
-        left = [s["name"] for s in c.call("list") if s["name"].startswith(prefix)]
+        left = [s.name for s in c.list_sandboxes() if s.name.startswith(prefix)]
     except AzqemuError as exc:
         log.warning("cannot list sandboxes to clean up: %s", exc)
         return 0
@@ -259,7 +259,7 @@ def _destroy_prefixed(c: Client, prefix: str) -> int:
 def _destroy_all(c: Client, names: list[str]) -> None:
     for name in names:
         try:
-            c.call("destroy", name=name)
+            c.destroy(name)
         except AzqemuError as exc:
             log.warning("destroy %s: %s", name, exc)
 
@@ -339,7 +339,7 @@ def _run_density(wl: Workload, sandboxes: int, policies: list[str], *, seed: int
     if left:
         progress(f"destroyed {left} sandboxes an earlier benchmark run left behind")
     template = ensure_workload_template(c, wl, progress)
-    tmeta = next(t for t in c.call("template_list") if t["name"] == template)
+    tmeta = next(t.as_json() for t in c.template_list() if t.name == template)
     plan = wl.plan(sandboxes, seed, scale)
     if pressure_budget_bytes is None:
         # Budget for the pressure ablation: half of what the sandboxes hold uncompressed.
@@ -365,13 +365,13 @@ def ensure_workload_template(c: Client, wl: Workload, progress: Callable[[str], 
                                image_key)).encode()).hexdigest()[:8]
     prefix = f"wl-{wl.name}-"[:39]
     name = f"{prefix}{key}"
-    templates = c.call("template_list")
+    templates = [t.as_json() for t in c.template_list()]
     for t in templates:
         if t["name"].startswith(prefix) and t["name"] != name and t.get("clones", 0) == 0:
             progress(f"deleting template {t['name']} (made for another guest image or workload)")
-            c.call("template_delete", name=t["name"])
+            c.template_delete(t["name"])
     if not any(t["name"] == name for t in templates):
         progress(f"creating template {name}")
-        c.call("template_create", name=name, mem_mib=wl.template.mem_mib, vcpus=wl.template.vcpus,
-               warmup=list(wl.template.warmup))
+        c.template_create(name, mem_mib=wl.template.mem_mib, vcpus=wl.template.vcpus,
+                          warmup=list(wl.template.warmup))
     return name

@@ -39,21 +39,6 @@ POLICY_ORDER = ("none", "none-cow", "linux", "azqemu-eager", "azqemu", "azqemu-l
 REQUIRED_POLICY_KEYS = ("owned_bytes_avg", "owned_bytes_peak", "host_used_bytes_avg", "tool_latency_s",
                         "compress_s_total", "restore_s_total")
 
-# Nightly comparison: what is checked, which way is worse, and the smallest absolute change
-# that counts (so that noise on tiny values never flags: 1 MiB of memory, 50 ms of latency).
-DEFAULT_TOLERANCE = 0.10
-NIGHTLY_METRICS: dict[str, tuple[str, float]] = {
-    "owned_bytes_avg": ("higher", 1 * MIB),
-    "owned_bytes_peak": ("higher", 1 * MIB),
-    "host_used_bytes_avg": ("higher", 1 * MIB),
-    "host_cost_bytes_avg": ("higher", 1 * MIB),
-    "tool_latency_s.median": ("higher", 0.05),
-    "tool_latency_s.p95": ("higher", 0.05),
-    "ratio_vs_none": ("lower", 0.05),
-    "ratio_vs_none_cow": ("lower", 0.05),
-}
-
-
 def ordered_policies(result: dict[str, Any]) -> list[str]:
     names = list(result.get("policies", {}))
     known = [p for p in POLICY_ORDER if p in names]
@@ -348,64 +333,3 @@ def write_report(result: dict[str, Any], out_dir: Path, prefix: str = "density")
 # ---------------------------------------------------------------------------------------
 # Nightly regression check
 # ---------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Regression:
-    policy: str
-    metric: str
-    prev: float | None
-    cur: float | None
-    change: float | None     # relative change, in the worse direction (0.25 = 25% worse)
-
-    def __str__(self) -> str:
-        if self.cur is None:
-            return f"{self.policy}: {self.metric} missing (was {self.prev:g})" if self.prev is not None \
-                else f"{self.policy}: {self.metric} missing"
-        return f"{self.policy}: {self.metric} {self.prev:g} -> {self.cur:g} ({self.change:+.0%} worse)"
-
-
-def compare_nightly(prev: dict[str, Any], cur: dict[str, Any],
-                    tolerance: float | dict[str, float] = DEFAULT_TOLERANCE) -> list[Regression]:
-    """Flag what got worse than ``tolerance`` (a fraction, or per metric with a '*' default)
-    from one nightly result to the next. A policy that disappeared is a regression; a new one
-    is not. Results of different workloads or sandbox counts cannot be compared (ConfigError).
-    """
-    validate(prev)
-    validate(cur)
-    for key in ("workload", "sandboxes"):
-        if prev[key] != cur[key]:
-            raise ConfigError(f"cannot compare density results: {key} {prev[key]!r} vs {cur[key]!r}")
-
-    def tol(metric: str) -> float:
-        if isinstance(tolerance, dict):
-            return tolerance.get(metric, tolerance.get("*", DEFAULT_TOLERANCE))
-        return tolerance
-
-    pr, cr = ratios(prev), ratios(cur)
-    if cost_basis(prev) != cost_basis(cur):
-        # One result has no host cost (an older run): compare the ratios both have, on owned.
-        for rows in (pr, cr):
-            for row in rows.values():
-                row["ratio_vs_none"], row["ratio_vs_none_cow"] = row["owned_ratio_vs_none"], row["owned_ratio_vs_none_cow"]
-    out: list[Regression] = []
-    for name in ordered_policies(prev):
-        if name not in cur["policies"]:
-            out.append(Regression(name, "policy", None, None, None))
-            continue
-        for metric, (worse, min_abs) in NIGHTLY_METRICS.items():
-            if metric.startswith("ratio_"):
-                a, b = pr[name][metric], cr[name][metric]
-            else:
-                a, b = _get(prev["policies"][name], metric), _get(cur["policies"][name], metric)
-            if a is None:
-                continue
-            if b is None:
-                out.append(Regression(name, metric, a, None, None))
-                continue
-            delta = (b - a) if worse == "higher" else (a - b)
-            if delta <= min_abs:
-                continue
-            change = delta / abs(a) if a else math.inf
-            if change > tol(metric):
-                out.append(Regression(name, metric, a, b, change))
-    return out

@@ -38,7 +38,6 @@ keeping a CPU awake. ``host_idle`` records the setting beside the figures.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import logging
@@ -47,8 +46,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from azqemu.daemon.client import Client
-from azqemu.errors import AzqemuError, ConfigError, DaemonError, RemoteError, SandboxError
+from azqemu.client import Client
+from azqemu.errors import (
+    ApiNotFound,
+    AzqemuError,
+    ConfigError,
+    DaemonError,
+    SandboxError,
+    SandboxExists,
+    SandboxNotFound,
+)
 
 log = logging.getLogger(__name__)
 
@@ -164,12 +171,8 @@ class GuestWorkingSet:
         self.sandbox = sandbox
 
     def _sh(self, cmd: str, *, timeout_s: float = 60.0, stdin: bytes | None = None) -> tuple[int, str, str, float]:
-        args: dict[str, Any] = {"name": self.sandbox, "argv": ["/bin/sh", "-c", cmd], "timeout_s": timeout_s}
-        if stdin is not None:
-            args["stdin_b64"] = base64.b64encode(stdin).decode()
-        r = self.c.call("exec", **args)
-        return (int(r["exit_code"]), base64.b64decode(r["stdout_b64"]).decode(errors="replace"),
-                base64.b64decode(r["stderr_b64"]).decode(errors="replace"), float(r["duration_s"]))
+        r = self.c.exec(self.sandbox, ["/bin/sh", "-c", cmd], timeout_s=timeout_s, stdin=stdin)
+        return (r.exit_code, r.stdout.decode(errors="replace"), r.stderr.decode(errors="replace"), r.duration_s)
 
     def start(self, hot_mib: int) -> float:
         """Start the process and wait until its working set is filled; returns seconds."""
@@ -212,15 +215,16 @@ class GuestWorkingSet:
 def check_daemon(client: Client) -> None:
     """Refuse early, in one line, when the running daemon predates the memstats operation."""
     try:
-        client.call("memstats", name=f"{CLONE_PREFIX}probe")
-    except RemoteError as exc:
-        if exc.error_type == "ProtocolError":
-            raise DaemonError("the running azqemu daemon has no memstats operation: it is older than "
+        client.memstats(f"{CLONE_PREFIX}probe")
+    except (SandboxNotFound, ConfigError):
+        pass  # the operation exists
+    except ApiNotFound as exc:
+        raise DaemonError("the running azqemu daemon has no memstats operation: it is older than "
                               "this azq; restart it ('azq daemon')") from exc
 
 
 def check_hot_mib(client: Client, template: str, hot_mib: int) -> None:
-    tmpl = next((t for t in client.call("template_list") if t["name"] == template), None)
+    tmpl = next((t.as_json() for t in client.template_list() if t.name == template), None)
     if tmpl is None:
         raise ConfigError(f"no template {template!r}")
     limit = int(tmpl["mem_mib"] * MAX_HOT_FRACTION_OF_GUEST)
@@ -238,10 +242,10 @@ def run(client: Client, *, template: str, hot_mib: int = 100,
     progress(f"cloning {name} from {template} (lazy)")
     try:
         # Policy manual: nothing compresses or resumes the clone behind the benchmark's back.
-        client.call("clone", template=template, names=[name], ram_mode="lazy", policy="manual")
-    except RemoteError as exc:
-        if exc.error_type == "SandboxExists":
-            raise  # not ours to destroy
+        client.clone(template, names=[name], ram_mode="lazy", policy="manual")
+    except SandboxExists:
+        raise  # not ours to destroy
+    except AzqemuError:
         _destroy(client, name, quiet=True)  # a clone that failed is removed by the daemon; be sure
         raise
     except BaseException:
@@ -258,13 +262,9 @@ def run(client: Client, *, template: str, hot_mib: int = 100,
 
 def _destroy(client: Client, name: str, *, quiet: bool) -> None:
     try:
-        client.call("destroy", name=name)
-    except RemoteError as exc:
-        if exc.error_type == "SandboxNotFound":
-            return
-        if not quiet:
-            raise
-        log.error("cannot destroy %s: %s", name, exc)
+        client.destroy(name)
+    except SandboxNotFound:
+        return
     except AzqemuError as exc:
         if not quiet:
             raise
@@ -296,34 +296,34 @@ def _measure(c: Client, name: str, hot_mib: int, progress: Callable[[str], None]
     progress(f"warm tool call: {warm['duration_s']:.2f} s")
 
     # 1. Resume without prefetch: every page of the working set faults.
-    comp1 = c.call("compress", name=name)
+    comp1 = c.compress(name).as_json()
     progress(f"compressed: {comp1['stored_pages']} pages stored of {comp1['resident_pages']} resident")
-    res_nopf = c.call("resume", name=name, prefetch=False)
-    m0 = c.call("memstats", name=name, reset=True)
+    res_nopf = c.resume(name, prefetch=False).as_json()
+    m0 = c.memstats(name, reset=True).as_json()
     call_nopf = ws.tool_call()
-    m1 = c.call("memstats", name=name, reset=True)
+    m1 = c.memstats(name, reset=True).as_json()
     faults_without = _delta_faults(m0, m1)
     progress(f"tool call after a resume without prefetch: {faults_without} faults, "
              f"{call_nopf['duration_s']:.2f} s")
 
     # 2. Compress again (hot set: what call 1 faulted in), resume with prefetch.
-    comp2 = c.call("compress", name=name)
+    comp2 = c.compress(name).as_json()
     t0 = time.perf_counter()
-    res_pf = c.call("resume", name=name, prefetch=True)
+    res_pf = c.resume(name, prefetch=True).as_json()
     resume_rtt_s = time.perf_counter() - t0
-    m2 = c.call("memstats", name=name, reset=True)
+    m2 = c.memstats(name, reset=True).as_json()
     call_pf = ws.tool_call()
-    m3 = c.call("memstats", name=name)
+    m3 = c.memstats(name).as_json()
     faults_with = _delta_faults(m2, m3)
     progress(f"tool call after a resume with prefetch: {faults_with} faults, {call_pf['duration_s']:.2f} s")
 
     # 3. The cycle after: its hot set is what call 2 faulted in. Whether prefetch holds up
     # cycle after cycle depends on the hot set keeping the pages call 2 used without faulting.
-    comp3 = c.call("compress", name=name)
-    res_next = c.call("resume", name=name, prefetch=True)
-    m4 = c.call("memstats", name=name, reset=True)
+    comp3 = c.compress(name).as_json()
+    res_next = c.resume(name, prefetch=True).as_json()
+    m4 = c.memstats(name, reset=True).as_json()
     call_next = ws.tool_call()
-    m5 = c.call("memstats", name=name)
+    m5 = c.memstats(name).as_json()
     faults_next = _delta_faults(m4, m5)
     progress(f"tool call in the next cycle (prefetch): {faults_next} faults, {call_next['duration_s']:.2f} s")
 

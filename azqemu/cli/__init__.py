@@ -2,8 +2,9 @@
 
 Sub-commands live in their own modules and are imported only when used, so ``azq --help``
 and one-shot commands stay quick. Every command reports a bad input or a failure as one line
-on stderr and a non-zero exit; the traceback goes to the debug log (``AZQ_DEBUG_LOG``,
-default /tmp/azqemu-debug.log).
+on stderr and a non-zero exit (under ``--json``: the error as JSON on stdout, same exit code;
+README.md has the table); the traceback goes to the debug log (``AZQ_DEBUG_LOG``, default
+/tmp/azqemu-debug.log).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 
 import click
 
+from azqemu import __version__
+from azqemu.cli import output
 from azqemu.errors import AzqemuError
 
 # command name -> "module:attribute"; each module owns its commands.
@@ -34,7 +37,10 @@ COMMANDS: dict[str, str] = {
     "phase": "azqemu.cli.sandbox_cmds:phase",
     "list": "azqemu.cli.sandbox_cmds:list_",
     "dominfo": "azqemu.cli.sandbox_cmds:dominfo",
-    "daemon": "azqemu.cli.sandbox_cmds:daemon",
+    "daemon": "azqemu.cli.daemon_cmds:daemon",
+    "job": "azqemu.cli.sandbox_cmds:job",
+    "tag": "azqemu.cli.sandbox_cmds:tag",
+    "cp": "azqemu.cli.files_cmds:cp",
     "mem": "azqemu.cli.mem_cmds:mem",
     "store": "azqemu.cli.store_cmds:store",
     "bench": "azqemu.cli.bench_cmds:bench",
@@ -77,6 +83,7 @@ def _setup_logging(verbose: bool) -> None:
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", prog_name="azq", message="%(prog)s %(version)s")
 @click.option("-v", "--verbose", is_flag=True, help="Log to stderr as well as the debug log.")
 def cli(verbose: bool) -> None:
     """azqemu: dense AI-agent sandbox VMs through guest-memory compression."""
@@ -94,17 +101,29 @@ def main(argv: list[str] | None = None) -> None:
         click.echo("azq: aborted", err=True)
         sys.exit(130)
     except click.ClickException as exc:
-        click.echo(f"azq: {exc.format_message()}", err=True)
-        sys.exit(exc.exit_code)
+        _fail(exc.format_message(), "UsageError", exc.exit_code)
     except AzqemuError as exc:
         logging.getLogger("azqemu").debug("command failed", exc_info=True)
-        click.echo(f"azq: {exc}", err=True)
-        sys.exit(exc.exit_code)
+        if output.state.json:
+            from azqemu.api.errors import error_info
+
+            output.emit({"error": error_info(exc).model_dump(mode="json")})
+            sys.exit(exc.exit_code)
+        _fail(str(exc), type(exc).__name__, exc.exit_code)
     except KeyboardInterrupt:
         click.echo("azq: interrupted", err=True)
         sys.exit(130)
     except Exception as exc:  # noqa: BLE001 - last line of defence: one line, trace to the log
         logging.getLogger("azqemu").error("unexpected failure\n%s", traceback.format_exc())
-        click.echo(f"azq: internal error: {type(exc).__name__}: {exc} "
-                   f"(traceback in {os.environ.get('AZQ_DEBUG_LOG', '/tmp/azqemu-debug.log')})", err=True)
-        sys.exit(70)
+        _fail(f"internal error: {type(exc).__name__}: {exc} "
+              f"(traceback in {os.environ.get('AZQ_DEBUG_LOG', '/tmp/azqemu-debug.log')})", "InternalError", 70)
+
+
+def _fail(message: str, error_type: str, exit_code: int) -> None:
+    """One line on stderr, or under --json the error object on stdout; then exit."""
+    if output.state.json:
+        output.emit({"error": {"type": error_type, "message": message, "exit_code": exit_code,
+                               "fields": {}, "module": ""}})
+    else:
+        click.echo(f"azq: {message}", err=True)
+    sys.exit(exit_code)

@@ -6,9 +6,9 @@ import json
 import time
 
 import click
-import numpy as np
 
-from azqemu.daemon.client import Client
+from azqemu.cli.output import emit, json_option
+from azqemu.client import Client
 from azqemu.daemon.proc import ensure_daemon
 
 BENCH_TEMPLATE = "azq-bench"
@@ -20,9 +20,8 @@ def bench() -> None:
 
 
 def ensure_template(c: Client, name: str, mem_mib: int = 512) -> None:
-    if not any(t["name"] == name for t in c.call("template_list")):
-        c.call("template_create", name=name, mem_mib=mem_mib, vcpus=1,
-               warmup=["cd /workspace/* && python3 -m unittest -q"])
+    if not any(t.name == name for t in c.template_list()):
+        c.template_create(name, mem_mib=mem_mib, vcpus=1, warmup=["cd /workspace/* && python3 -m unittest -q"])
 
 
 @bench.command("clone")
@@ -30,24 +29,15 @@ def ensure_template(c: Client, name: str, mem_mib: int = 512) -> None:
 @click.option("--template", "template_name", default=BENCH_TEMPLATE, show_default=True,
               help="Template to clone (made from the guest image if missing).")
 @click.option("--mode", "ram_mode", type=click.Choice(["auto", "eager", "lazy"]), default="auto")
-@click.option("--json", "as_json", is_flag=True)
+@json_option
 def bench_clone(count: int, template_name: str, ram_mode: str, as_json: bool) -> None:
     """Clone N sandboxes at once: per-clone time (start to guest agent answering) and total."""
+    from azqemu.bench.clone_bench import run_clone
+
     with ensure_daemon():
         c = Client()
         ensure_template(c, template_name)
-        t0 = time.monotonic()
-        rows = c.call("clone", template=template_name, count=count, name_prefix="azq-bench-clone-",
-                      ram_mode=None if ram_mode == "auto" else ram_mode)
-        total_s = time.monotonic() - t0
-        try:
-            per = np.array([r["clone_s"] for r in rows])
-            result = {"clones": len(rows), "per_clone_s": {"median": float(np.median(per)),
-                                                           "p95": float(np.percentile(per, 95))},
-                      "total_s": total_s, "ram_mode": rows[0]["ram_mode"]}
-        finally:
-            for r in rows:
-                c.call("destroy", name=r["name"])
+        result = run_clone(c, template_name, count, ram_mode)
     if as_json:
         click.echo(json.dumps(result, indent=2))
     else:
@@ -61,7 +51,7 @@ def bench_clone(count: int, template_name: str, ram_mode: str, as_json: bool) ->
               help="Working set the repeated tool call touches (the hot set of the resume).")
 @click.option("--template", "template_name", default=BENCH_TEMPLATE, show_default=True,
               help="Template to clone (made from the guest image if missing).")
-@click.option("--json", "as_json", is_flag=True)
+@json_option
 def bench_restore(hot_mib: int, template_name: str, as_json: bool) -> None:
     """Compress and resume a lazy clone around a repeated tool call: per-fault service time,
     the guest's stall per fault, prefetch throughput, resume time, faults removed by prefetch."""
@@ -98,7 +88,7 @@ def _progress(msg: str) -> None:
 @click.option("--grace", "grace_s", default=1.0, show_default=True, type=float,
               help="Seconds of LLM wait before a policy compresses or reclaims.")
 @click.option("--out", "out_dir", default=None, help="Directory for JSON, markdown and PNG plots.")
-@click.option("--json", "as_json", is_flag=True, help="Print the JSON result instead of the table.")
+@json_option
 def bench_density(workload_name: str, sandboxes: int, policies: tuple[str, ...], scale: str, seed: int,
                   grace_s: float, out_dir: str | None, as_json: bool) -> None:
     """Run one workload under each policy, side by side on this host, and compare memory and latency."""
@@ -139,7 +129,7 @@ def bench_density(workload_name: str, sandboxes: int, policies: tuple[str, ...],
 @click.option("--grace", "grace_s", default=1.0, show_default=True, type=float,
               help="Seconds of LLM wait before a policy compresses or reclaims.")
 @click.option("--out", "out_dir", default=None, help="Directory for JSON, markdown and the PNG plot.")
-@click.option("--json", "as_json", is_flag=True, help="Print the JSON result instead of the table.")
+@json_option
 @click.option("--from", "from_dir", default=None,
               help="Fit again from an earlier sweep's --out directory (its density-nN.json): run nothing.")
 def bench_capacity(workload_name: str, fanouts: str, policies: tuple[str, ...], budget: str, scale: str,
@@ -181,33 +171,83 @@ def bench_capacity(workload_name: str, fanouts: str, policies: tuple[str, ...], 
 
 
 @bench.command("nightly")
-@click.option("--results", "results_dir", default="/var/lib/azqemu/nightly", show_default=True)
-@click.option("--sandboxes", "-n", default=16, show_default=True, type=int)
-@click.option("--tolerance", default=0.15, show_default=True, type=float,
-              help="Relative worsening that counts as a regression.")
-def bench_nightly(results_dir: str, sandboxes: int, tolerance: float) -> None:
-    """Run the default density set into a dated directory; flag regressions against the last run."""
-    import json as json_mod
+@click.option("--results", "results_dir", default=None,
+              help="Directory of the history and the dated run directories [default: $AZQ_STATE_DIR/nightly].")
+@click.option("--workload", "workloads", multiple=True,
+              help="Workload to run (repeatable; default: every built-in one).")
+@click.option("--sandboxes", "-n", default=16, show_default=True, type=click.IntRange(min=1))
+@click.option("--scale", default="full", show_default=True, help="Workload scale: full or small.")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--grace", "grace_s", default=1.0, show_default=True, type=float,
+              help="Seconds of LLM wait before a policy compresses or reclaims.")
+@click.option("--policy", "policies", multiple=True,
+              help="Policy to run (repeatable; default: none, none-cow, linux, agentzip, agentzip-no-prefetch).")
+@click.option("--clones", default=16, show_default=True, type=click.IntRange(min=1),
+              help="Clones of the clone benchmark.")
+@click.option("--clone-mode", type=click.Choice(["auto", "eager", "lazy"]), default="auto", show_default=True)
+@click.option("--skip-clone", is_flag=True, help="Do not run the clone benchmark.")
+@click.option("--hot-mib", default=100, show_default=True, type=click.IntRange(min=1),
+              help="Working set of the restore benchmark.")
+@click.option("--skip-restore", is_flag=True, help="Do not run the restore benchmark.")
+@click.option("-k", "--baseline-runs", "k", default=5, show_default=True, type=click.IntRange(min=2),
+              help="Baseline: the median of this many latest comparable runs.")
+@click.option("--tolerance", default=None, type=click.FloatRange(min=0.0),
+              help="Smallest relative worsening that counts, for every figure [default: per figure].")
+@click.option("--all-figures", is_flag=True, help="List every compared figure, not only those out of band.")
+@json_option
+def bench_nightly(results_dir: str | None, workloads: tuple[str, ...], sandboxes: int, scale: str, seed: int,
+                  grace_s: float, policies: tuple[str, ...], clones: int, clone_mode: str, skip_clone: bool,
+                  hot_mib: int, skip_restore: bool, k: int, tolerance: float | None, all_figures: bool,
+                  as_json: bool) -> None:
+    """Run the density benchmark on each workload, the clone and the restore benchmark; append
+    the figures to the history and compare them with the median of the last K comparable runs
+    (exit 3 on a regression). Comparability is decided before the run; every run is recorded."""
     from pathlib import Path
 
-    from azqemu.bench import density, report
-    from azqemu.bench.workload import load
+    from azqemu import config
+    from azqemu.bench import nightly, nightly_run
+    from azqemu.bench.workload import builtin_names, load
+    from azqemu.sched import policy as policy_mod
 
-    root = Path(results_dir)
-    previous = sorted(p for p in root.glob("*/density.json")) if root.exists() else []
+    opts = nightly.Options(workloads=workloads or tuple(builtin_names()), sandboxes=sandboxes, scale=scale,
+                           seed=seed, grace_s=grace_s, policies=policies or nightly.NIGHTLY_POLICIES,
+                           clones=None if skip_clone else clones, clone_mode=clone_mode,
+                           restore_hot_mib=None if skip_restore else hot_mib, k=k, tolerance=tolerance)
+    for p in opts.policies:
+        policy_mod.get(p)       # a bad name is a usage error now, not a failed run later
+    wls = [load(w) for w in opts.workloads]
+    root = Path(results_dir) if results_dir else config.load().state_dir / "nightly"
+    history, warnings = nightly.read_history(root / nightly.HISTORY_NAME)
+    for w in warnings:
+        click.echo(f"azq: warning: {w}", err=True)
+    planned = nightly.planned_record(opts, wls, nightly.host_context())
+    baselines = nightly.plan_baselines(history, planned, opts.k)
+    _progress(f"{len(history)} earlier runs in {root / nightly.HISTORY_NAME}; this run: "
+              f"{planned['host']}, {planned['accelerator']}, commit {planned['commit']}")
+    for b in baselines.values():
+        _progress(b.describe())
+    run_dir = root / planned["run_id"]
+
+    def bench_template() -> str:
+        ensure_template(Client(), BENCH_TEMPLATE)
+        return BENCH_TEMPLATE
+
     with ensure_daemon():
-        result = density.run_density(load("coding-agent"), sandboxes,
-                                     list(density.DEFAULT_POLICIES) + ["agentzip-no-prefetch"],
-                                     progress=_progress)
-    out = root / time.strftime("%Y-%m-%d-%H%M%S")
-    files = report.write_report(result, out)
-    report.print_table(result)
-    click.echo(f"written: {files.json}")
-    if previous:
-        prev = json_mod.loads(previous[-1].read_text())
-        regressions = report.compare_nightly(prev, result, tolerance)
-        for r in regressions:
+        out = nightly_run.run(Client(), planned, wls, opts, run_dir, bench_template=bench_template,
+                              progress=_progress)
+    outcome = nightly_run.finish(root, out, baselines, history_warnings=warnings, tolerance=opts.tolerance,
+                                 run_dir=run_dir)
+    if as_json:
+        emit(outcome.as_json())
+    else:
+        click.echo(nightly_run.format_comparisons(outcome, all_rows=all_figures))
+        click.echo(f"recorded in {outcome.history_file}; written: {', '.join(out.files) or 'no result'}; "
+                   f"{len(outcome.plots)} trend plots in {outcome.run_dir}")
+        for r in outcome.regressions:
             click.echo(f"REGRESSION {r}")
-        if regressions:
-            raise SystemExit(3)
-        click.echo(f"no regression against {previous[-1].parent.name}")
+    for e in outcome.errors:
+        click.echo(f"azq: benchmark failed (recorded): {e}", err=True)
+    if outcome.regressions:
+        raise SystemExit(3)
+    if outcome.errors:
+        raise SystemExit(1)

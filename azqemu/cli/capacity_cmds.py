@@ -13,6 +13,7 @@ import os
 import click
 
 from azqemu import config as config_mod
+from azqemu.cli.output import json_option
 from azqemu.daemon import capacity as capacity_mod
 from azqemu.units import MIB, fmt_bytes
 
@@ -34,7 +35,7 @@ _reserve_opt = click.option("--reserve", "reserve", default=None,
 @_template_opt
 @_policy_opt
 @_reserve_opt
-@click.option("--json", "as_json", is_flag=True)
+@json_option
 def capacity(template: str | None, policy: str | None, reserve: str | None, as_json: bool) -> None:
     """How many more sandboxes of a template fit on this host, and the allocation ratio."""
     cap = capacity_mod.measure(template=template, policy=policy, reserve_bytes=_reserve(reserve))
@@ -62,7 +63,7 @@ def placement() -> None:
 @_template_opt
 @_policy_opt
 @_reserve_opt
-@click.option("--json", "as_json", is_flag=True)
+@json_option
 def placement_sync(url: str | None, name: str | None, template: str | None, policy: str | None,
                    reserve: str | None, as_json: bool) -> None:
     """Create this host's resource provider if needed and set its MEMORY_MB inventory:

@@ -8,9 +8,11 @@ from dataclasses import asdict
 
 import click
 
+from azqemu.cli.output import emit, json_option
+
 
 @click.command()
-@click.option("--json", "as_json", is_flag=True, help="Print the checks as JSON.")
+@json_option
 def doctor(as_json: bool) -> None:
     """Report what this host can do (KVM, libvirtd, userfaultfd, zram, zswap, KSM)."""
     from azqemu.host.doctor import FAIL, run_checks
@@ -34,21 +36,29 @@ def host() -> None:
 
 @host.command("setup")
 @click.option("--restart", is_flag=True, help="Restart libvirtd even if it runs.")
-def setup(restart: bool) -> None:
+@json_option
+def setup(restart: bool, as_json: bool) -> None:
     """Configure libvirt and start virtlogd/libvirtd (with /dev/kvm hidden where KVM is unusable)."""
     from azqemu.host.doctor import _guest_kernel
     from azqemu.host.setup import setup_host
 
     done = setup_host(restart=restart, kernel=_guest_kernel())
+    if as_json:
+        emit({"done": done})
+        return
     click.echo("; ".join(done) if done else "host already set up")
 
 
 @host.command("recover")
 @click.option("--setup", "undo_setup", is_flag=True,
               help="Also undo 'azq host setup' (qemu.conf block, libvirt hook); no azqemu domain may run.")
-def recover(undo_setup: bool) -> None:
+@json_option
+def recover(undo_setup: bool, as_json: bool) -> None:
     """Put back what azqemu changed on this host (a killed benchmark's Linux configuration)."""
     from azqemu.host.setup import recover_host
 
     done = recover_host(setup=undo_setup)
+    if as_json:
+        emit({"done": done})
+        return
     click.echo("; ".join(done) if done else "nothing to recover")

@@ -11,6 +11,7 @@ import time
 
 import click
 
+from azqemu.cli.output import emit, json_option
 from azqemu.errors import ImageError
 from azqemu.units import fmt_mib
 
@@ -22,7 +23,8 @@ def image() -> None:
 
 @image.command()
 @click.option("--force", is_flag=True, help="Rebuild even if the image is up to date.")
-def build(force: bool) -> None:
+@json_option
+def build(force: bool, as_json: bool) -> None:
     """Build the guest image for the current recipe into the image cache."""
     from azqemu import image as guest_image
 
@@ -33,17 +35,24 @@ def build(force: bool) -> None:
         except ImageError:
             pass
         else:
-            click.echo(f"image up to date: {img.key}")
+            if as_json:
+                emit({"key": img.key, "built": False, "path": str(img.kernel.parent)})
+            else:
+                click.echo(f"image up to date: {img.key}")
             return
-    img = guest_image.build_image(force=force, progress=click.echo)
+    img = guest_image.build_image(force=force, progress=lambda m: click.echo(m, err=as_json))
     manifest = guest_image.read_manifest(img)
+    if as_json:
+        emit({"key": img.key, "built": True, "path": str(img.kernel.parent), "build_s": time.monotonic() - started,
+              "files": manifest["files"]})
+        return
     sizes = ", ".join(f"{role} {fmt_mib(info['size_bytes'])}" for role, info in manifest["files"].items())
     click.echo(f"built image {img.key} in {time.monotonic() - started:.1f} s: {sizes}")
     click.echo(f"  {img.kernel.parent}")
 
 
 @image.command()
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@json_option
 @click.option("--verify", is_flag=True, help="Also check every file's sha256.")
 def info(as_json: bool, verify: bool) -> None:
     """Paths, key and size of the image for the current recipe."""
@@ -77,20 +86,29 @@ def info(as_json: bool, verify: bool) -> None:
 
 
 @image.command()
-def key() -> None:
+@json_option
+def key(as_json: bool) -> None:
     """Print the cache key of the current recipe (built or not)."""
     from azqemu import image as guest_image
 
-    click.echo(guest_image.recipe_key())
+    k = guest_image.recipe_key()
+    if as_json:
+        emit({"key": k})
+    else:
+        click.echo(k)
 
 
 @image.command()
 @click.option("--dry-run", is_flag=True, help="Only list what would be removed.")
-def prune(dry_run: bool) -> None:
+@json_option
+def prune(dry_run: bool, as_json: bool) -> None:
     """Remove cached images that neither the current recipe nor any template uses."""
     from azqemu import image as guest_image
 
     removed = guest_image.prune_images(dry_run=dry_run)
+    if as_json:
+        emit({"removed": [str(p) for p in removed], "dry_run": dry_run})
+        return
     for path in removed:
         click.echo(f"{'would remove' if dry_run else 'removed'} {path}")
     if not removed:

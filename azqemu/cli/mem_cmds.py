@@ -6,6 +6,7 @@ import json
 
 import click
 
+from azqemu.cli.output import json_option
 from azqemu.units import fmt_bytes
 
 
@@ -31,13 +32,13 @@ def _resolve_sandbox(name: str) -> str:
     """A RAM image path, or a running sandbox's RAM memfd (/proc/PID/fd/N) by its name."""
     import os
 
-    from azqemu.daemon.client import Client
+    from azqemu.client import Client
     from azqemu.errors import ConfigError
     from azqemu.host.procfs import find_ram_fd
 
     if os.path.exists(name):
         return name
-    info = Client().call("dominfo", name=name)
+    info = Client().dominfo(name).as_json()
     if info.get("ram_mode") == "cow" or not info.get("qemu_pid"):
         raise ConfigError(f"sandbox {name!r} has no RAM memfd to read (mode {info.get('ram_mode')})")
     return str(find_ram_fd(int(info["qemu_pid"])))
@@ -47,7 +48,7 @@ def _resolve_sandbox(name: str) -> str:
 @click.option("--template", "template", required=True,
               help="Template RAM image (a sparse file), or the name of an azqemu template.")
 @click.argument("sandboxes", nargs=-1, required=True)
-@click.option("--json", "as_json", is_flag=True, help="Print the JSON figures instead of a table.")
+@json_option
 @click.option("--sharing-domain", "--domain", "domain", default="analyze", show_default=True,
               help="Sharing domain of the sandboxes (--domain: deprecated alias).")
 @click.option("--store-dir", type=click.Path(file_okay=False), default=None,

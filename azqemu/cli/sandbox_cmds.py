@@ -1,20 +1,31 @@
-"""Sandbox life-cycle commands: template, clone, exec, pause, resume, destroy, list, dominfo, daemon.
+"""Sandbox life-cycle commands: template, clone, exec, pause, resume, destroy, list, dominfo.
 
-Everything but ``daemon`` is a request to the manager daemon over its unix socket.
+Each is a request to the manager daemon through the typed API client (``azqemu.client``);
+``--json`` prints the API's own models. ``azq exec`` exits with the command's exit code and
+reserves 124-127 for its own failures (README.md, exit codes).
 """
 
 from __future__ import annotations
 
-import base64
-import json
 import logging
 import sys
+import time
 from typing import Any
 
 import click
 
-from azqemu.daemon.client import Client
+from azqemu.api.models import SandboxInfo
+from azqemu.cli.output import emit, json_option
+from azqemu.client import Client
+from azqemu.errors import AgentTimeout, AzqemuError, DaemonUnavailable, ExecError
 from azqemu.units import fmt_bytes
+
+# azq exec's own exit codes (as docker exec's): the command's exit code is passed through,
+# these say that azqemu could not run it or see it finish.
+EXEC_TIMED_OUT = 124      # the command did not finish within --timeout (killed in the guest)
+EXEC_AZQEMU_ERROR = 125   # the daemon, the sandbox or the guest agent failed
+EXEC_CANNOT_RUN = 126     # the guest agent could not start the command
+EXEC_NOT_FOUND = 127      # ... because it does not exist
 
 
 def _size(n: int | None) -> str:
@@ -45,35 +56,68 @@ def template() -> None:
 @click.option("--mem", "mem", default="512M", show_default=True, help="Guest memory (e.g. 512M, 1G).")
 @click.option("--vcpus", default=1, show_default=True, type=int)
 @click.option("--warmup", multiple=True, help="A shell command run in the guest before saving (repeatable).")
-def template_create(name: str, mem: str, vcpus: int, warmup: tuple[str, ...]) -> None:
-    """Boot the guest image, warm it up, and save it as template NAME."""
-    meta = Client().call("template_create", name=name, mem_mib=parse_mem_mib(mem), vcpus=vcpus,
-                         warmup=list(warmup))
-    click.echo(f"template {name}: {meta['mem_mib']} MiB, {meta['vcpus']} vCPU, {meta['accel']}, "
-               f"device state {meta['devstate_bytes'] / 1024:.0f} KiB, RAM data {_size(meta['ram_data_bytes'])}, "
-               f"boot {meta['boot_s']:.1f} s, created in {meta['create_s']:.1f} s")
+@click.option("--no-wait", is_flag=True, help="Print the job and return; poll it with 'azq job ID'.")
+@json_option
+def template_create(name: str, mem: str, vcpus: int, warmup: tuple[str, ...], no_wait: bool,
+                    as_json: bool) -> None:
+    """Boot the guest image, warm it up, and save it as template NAME (a daemon job)."""
+    c = Client()
+    job = c.template_create_job(name, mem_mib=parse_mem_mib(mem), vcpus=vcpus, warmup=list(warmup))
+    if no_wait:
+        if as_json:
+            emit(job)
+        else:
+            click.echo(f"job {job.id}: template create {name} ({job.state})")
+        return
+    from azqemu.api.models import Template
+
+    meta = Template.model_validate(c.wait_job(job.id))
+    if as_json:
+        emit(meta)
+        return
+    click.echo(f"template {name}: {meta.mem_mib} MiB, {meta.vcpus} vCPU, {meta.accel}, "
+               f"device state {meta.devstate_bytes / 1024:.0f} KiB, RAM data {_size(meta.ram_data_bytes)}, "
+               f"boot {meta.boot_s:.1f} s, created in {meta.create_s:.1f} s")
 
 
 @template.command("list")
-@click.option("--json", "as_json", is_flag=True)
+@json_option
 def template_list(as_json: bool) -> None:
     """List templates."""
-    rows = Client().call("template_list")
+    rows = Client().template_list()
     if as_json:
-        click.echo(json.dumps(rows, indent=2))
+        emit(rows)
         return
     click.echo(f"{'NAME':20} {'MEM':>8} {'VCPUS':>5} {'ACCEL':5} {'RAM DATA':>10} {'CLONES':>6}")
     for t in rows:
-        click.echo(f"{t['name']:20} {t['mem_mib']:>5} MiB {t['vcpus']:>5} {t['accel']:5} "
-                   f"{_size(t['ram_data_bytes']):>10} {t['clones']:>6}")
+        click.echo(f"{t.name:20} {t.mem_mib:>5} MiB {t.vcpus:>5} {t.accel:5} "
+                   f"{_size(t.ram_data_bytes):>10} {t.clones or 0:>6}")
 
 
 @template.command("delete")
 @click.argument("name")
-def template_delete(name: str) -> None:
+@json_option
+def template_delete(name: str, as_json: bool) -> None:
     """Delete template NAME (refused while clones of it exist)."""
-    Client().call("template_delete", name=name)
-    click.echo(f"template {name} deleted")
+    Client().template_delete(name)
+    if as_json:
+        emit({"name": name, "deleted": True})
+    else:
+        click.echo(f"template {name} deleted")
+
+
+@click.command()
+@click.argument("job_id", metavar="ID")
+@click.option("--wait", "wait_s", default=0.0, show_default=True, type=click.FloatRange(0, 600),
+              help="Seconds to wait for the job to finish.")
+@json_option
+def job(job_id: str, wait_s: float, as_json: bool) -> None:
+    """Show a daemon job (template create): running, succeeded or failed."""
+    j = Client().job(job_id, wait_s=wait_s)
+    if as_json:
+        emit(j)
+        return
+    click.echo(f"job {j.id} {j.kind}: {j.state}" + (f": {j.error.message}" if j.error else ""))
 
 
 @click.command()
@@ -92,41 +136,72 @@ def template_delete(name: str) -> None:
                    "agentzip-no-sibling, agentzip-pressure (see docs/policies.md).")
 @click.option("--grace", "grace_s", default=1.0, show_default=True, type=float,
               help="Seconds of LLM wait before the policy compresses or reclaims.")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--label", "labels", multiple=True, metavar="KEY=VALUE", help="A label on every clone (repeatable).")
+@click.option("--ttl", "ttl_s", type=float, default=None, help="Destroy the clones this many seconds from now.")
+@json_option
 def clone(template_name: str, count: int, name_prefix: str | None, sharing_domain: str, ram_mode: str,
-          policy: str, grace_s: float, as_json: bool) -> None:
+          policy: str, grace_s: float, labels: tuple[str, ...], ttl_s: float | None, as_json: bool) -> None:
     """Start N sandboxes cloned from TEMPLATE."""
-    rows = Client().call("clone", template=template_name, count=count, name_prefix=name_prefix,
-                         sharing_domain=sharing_domain, ram_mode=None if ram_mode == "auto" else ram_mode,
-                         policy=policy, grace_s=grace_s)
+    rows = Client().clone(template_name, count=count, name_prefix=name_prefix, sharing_domain=sharing_domain,
+                          ram_mode=None if ram_mode == "auto" else ram_mode, policy=policy, grace_s=grace_s,
+                          labels=parse_labels(labels), ttl_s=ttl_s)
     if as_json:
-        click.echo(json.dumps(rows, indent=2))
+        emit(rows)
         return
     for r in rows:
-        click.echo(f"{r['name']}: cloned from {r['template']} ({r['ram_mode']}) in {r['clone_s']:.2f} s")
+        click.echo(f"{r.name}: cloned from {r.template} ({r.ram_mode}) in {r.clone_s:.2f} s")
+
+
+def exec_exit_code(exc: AzqemuError) -> int:
+    """azq exec's code for an azqemu failure (never one a command could return by itself
+    without meaning the same: 124 timed out, 126/127 cannot run, 125 anything else)."""
+    if isinstance(exc, AgentTimeout):
+        return EXEC_TIMED_OUT
+    if isinstance(exc, ExecError):
+        return EXEC_NOT_FOUND if "No such file" in str(exc) else EXEC_CANNOT_RUN
+    return EXEC_AZQEMU_ERROR
 
 
 @click.command("exec", context_settings={"ignore_unknown_options": True})
 @click.argument("name")
 @click.option("--timeout", "timeout_s", default=300.0, show_default=True, type=float, help="Seconds.")
+@click.option("-i", "--stdin", "with_stdin", is_flag=True, help="Send azq's standard input to the command.")
+@json_option
 @click.argument("argv", nargs=-1, type=click.UNPROCESSED, required=True)
-def exec_(name: str, timeout_s: float, argv: tuple[str, ...]) -> None:
-    """Run a command in sandbox NAME through the guest agent: azq exec NAME -- CMD ARGS..."""
-    res = Client().call("exec", name=name, argv=list(argv), timeout_s=timeout_s)
-    sys.stdout.buffer.write(base64.b64decode(res["stdout_b64"]))
-    sys.stdout.flush()
-    sys.stderr.buffer.write(base64.b64decode(res["stderr_b64"]))
-    sys.stderr.flush()
-    logging.getLogger("azqemu").debug("exec in %s took %.3f s", name, res["duration_s"])
-    sys.exit(res["exit_code"])
+def exec_(name: str, timeout_s: float, with_stdin: bool, as_json: bool, argv: tuple[str, ...]) -> None:
+    """Run a command in sandbox NAME through the guest agent: azq exec NAME -- CMD ARGS...
+
+    Exits with the command's exit code; 124 if it timed out, 125 if azqemu failed (daemon,
+    sandbox, guest agent), 126 if the command could not be started, 127 if it was not found."""
+    stdin = sys.stdin.buffer.read() if with_stdin else None
+    try:
+        res = Client().exec(name, list(argv), timeout_s=timeout_s, stdin=stdin)
+    except AzqemuError as exc:
+        exc.exit_code = exec_exit_code(exc)
+        raise
+    logging.getLogger("azqemu").debug("exec in %s took %.3f s", name, res.duration_s)
+    if as_json:
+        out = res.as_json()
+        out.update(stdout=res.stdout.decode(errors="replace"), stderr=res.stderr.decode(errors="replace"))
+        emit(out)
+    else:
+        sys.stdout.buffer.write(res.stdout)
+        sys.stdout.flush()
+        sys.stderr.buffer.write(res.stderr)
+        sys.stderr.flush()
+    sys.exit(res.exit_code)
 
 
 def _simple(op: str, verb: str) -> click.Command:
     @click.command(op)
     @click.argument("name")
-    def cmd(name: str) -> None:
-        Client().call(op, name=name)
-        click.echo(f"{name} {verb}")
+    @json_option
+    def cmd(name: str, as_json: bool) -> None:
+        getattr(Client(), op)(name)
+        if as_json:
+            emit({"name": name, op: True})
+        else:
+            click.echo(f"{name} {verb}")
 
     cmd.help = f"{op.capitalize()} sandbox NAME."
     return cmd
@@ -139,76 +214,156 @@ destroy = _simple("destroy", "destroyed")
 @click.command()
 @click.argument("name")
 @click.option("--no-prefetch", is_flag=True, help="Do not put the hot set back first.")
-def resume(name: str, no_prefetch: bool) -> None:
+@json_option
+def resume(name: str, no_prefetch: bool, as_json: bool) -> None:
     """Resume sandbox NAME (a compressed one gets its hot pages back first)."""
-    r = Client().call("resume", name=name, prefetch=not no_prefetch)
-    extra = (f": {r['prefetched_pages']} hot pages back in {r['prefetch_s'] * 1000:.1f} ms"
-             if r.get("prefetched_pages") else "")
-    click.echo(f"{name} resumed in {r['resume_s'] * 1000:.1f} ms{extra}")
+    r = Client().resume(name, prefetch=not no_prefetch)
+    if as_json:
+        emit(r)
+        return
+    extra = (f": {r.prefetched_pages} hot pages back in {r.prefetch_s * 1000:.1f} ms"
+             if r.prefetched_pages else "")
+    click.echo(f"{name} resumed in {r.resume_s * 1000:.1f} ms{extra}")
 
 
 @click.command()
 @click.argument("name")
-@click.option("--json", "as_json", is_flag=True)
+@json_option
 def compress(name: str, as_json: bool) -> None:
     """Pause sandbox NAME and compress its RAM into the page store (it stays paused)."""
-    r = Client().call("compress", name=name)
+    r = Client().compress(name)
     if as_json:
-        click.echo(json.dumps(r, indent=2))
+        emit(r)
         return
-    kinds = ", ".join(f"{k} {v}" for k, v in r["pages"].items() if v)
-    click.echo(f"{name}: {r['resident_pages']} resident pages -> {r['stored_pages']} stored "
-               f"({_size(r['stored_bytes'])}), {r['raw_pages']} kept resident; {kinds}; "
-               f"{r['total_s'] * 1000:.0f} ms" + (" (cancelled by a resume)" if r["cancelled"] else ""))
+    kinds = ", ".join(f"{k} {v}" for k, v in r.pages.items() if v)
+    click.echo(f"{name}: {r.resident_pages} resident pages -> {r.stored_pages} stored "
+               f"({_size(r.stored_bytes)}), {r.raw_pages} kept resident; {kinds}; "
+               f"{r.total_s * 1000:.0f} ms" + (" (cancelled by a resume)" if r.cancelled else ""))
 
 
 @click.command()
 @click.argument("name")
 @click.argument("phase", type=click.Choice(["wait", "tool"]))
-def phase(name: str, phase: str) -> None:
+@json_option
+def phase(name: str, phase: str, as_json: bool) -> None:
     """Tell azqemu that sandbox NAME now waits for its LLM, or that a tool call is coming."""
-    r = Client().call("phase", name=name, phase=phase)
-    extra = f" (resumed in {r['resume_s'] * 1000:.1f} ms)" if "resume_s" in r else ""
+    r = Client().phase(name, phase)
+    if as_json:
+        emit(r)
+        return
+    extra = f" (resumed in {r.resume_s * 1000:.1f} ms)" if r.resume_s is not None else ""
     click.echo(f"{name}: {phase}{extra}")
 
 
 @click.command("list")
-@click.option("--json", "as_json", is_flag=True)
-def list_(as_json: bool) -> None:
-    """List sandboxes with state, template and memory."""
-    rows = Client().call("list")
+@click.option("--state", default=None, help="Only sandboxes in this state (running, paused, gone, ...).")
+@click.option("--template", default=None, help="Only clones of this template.")
+@click.option("--sharing-domain", default=None, help="Only sandboxes of this sharing domain.")
+@click.option("--label", "labels", multiple=True, metavar="KEY[=VALUE]",
+              help="Only sandboxes with this label (repeatable: all must match).")
+@json_option
+def list_(state: str | None, template: str | None, sharing_domain: str | None, labels: tuple[str, ...],
+          as_json: bool) -> None:
+    """List sandboxes with state, template and memory (read from the records and libvirt, without
+    memory figures or labels, when no daemon runs)."""
+    try:
+        rows = Client().list_sandboxes(state=state, template=template, sharing_domain=sharing_domain,
+                                       label=list(labels) or None)
+    except DaemonUnavailable as exc:
+        rows = _offline_rows(exc)
+        want = {"state": state, "template": template, "sharing_domain": sharing_domain}
+        rows = [r for r in rows if all(v is None or getattr(r, k) == v for k, v in want.items())]
+        if labels:
+            rows = []   # labels are the daemon's: none match without it
     if as_json:
-        click.echo(json.dumps(rows, indent=2))
+        emit(rows)
         return
     _table(rows)
 
 
-def _table(rows: list[dict[str, Any]]) -> None:
-    click.echo(f"{'NAME':24} {'STATE':9} {'TEMPLATE':16} {'DOMAIN':10} {'MODE':6} {'RESIDENT':>10} {'STORED':>10}")
-    for r in rows:
-        click.echo(f"{r['name']:24} {r['state']:9} {r['template']:16} {r['sharing_domain']:10} "
-                   f"{r['ram_mode']:6} {_size(r.get('resident_bytes')):>10} {_size(r.get('stored_bytes')):>10}")
+def _offline_rows(why: DaemonUnavailable) -> list[SandboxInfo]:
+    """``azq list`` with the daemon down: the records on disk, each domain's state from libvirt
+    (``gone`` if it has none); a note on stderr says so. Without libvirt either: the error."""
+    from dataclasses import asdict
+
+    from azqemu.errors import DomainNotFound
+    from azqemu.virt.clones import SandboxRepo
+    from azqemu.virt.host import Host
+
+    records = SandboxRepo().list()
+    try:
+        host = Host()
+    except AzqemuError:
+        raise why from None
+    rows = []
+    try:
+        for rec in records:
+            try:
+                dom = host.get_domain(rec.name)
+                dstate, pid = dom.state(), dom.qemu_pid()
+            except DomainNotFound:
+                dstate, pid = "gone", None
+            rows.append(SandboxInfo.model_validate(dict(asdict(rec), state=dstate, domain_state=dstate,
+                                                        qemu_pid=pid, resident_bytes=None, stored_bytes=None,
+                                                        source="records")))
+    finally:
+        host.close()
+    click.echo(f"azq: {why}; listing from the records and libvirt (no memory figures)", err=True)
+    return rows
+
+
+def parse_labels(pairs: tuple[str, ...]) -> dict[str, str]:
+    out = {}
+    for p in pairs:
+        key, sep, value = p.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"expected KEY=VALUE, got {p!r}", param_hint="--label")
+        out[key] = value
+    return out
 
 
 @click.command()
 @click.argument("name")
-@click.option("--json", "as_json", is_flag=True)
-def dominfo(name: str, as_json: bool) -> None:
-    """Show one sandbox."""
-    info = Client().call("dominfo", name=name)
+@click.option("--label", "labels", multiple=True, metavar="KEY=VALUE",
+              help="Set a label (repeatable; KEY= removes it).")
+@click.option("--replace", is_flag=True, help="Replace every label instead of merging.")
+@click.option("--ttl", "ttl_s", type=float, default=None, help="A new time to live, in seconds from now.")
+@json_option
+def tag(name: str, labels: tuple[str, ...], replace: bool, ttl_s: float | None, as_json: bool) -> None:
+    """Set labels and a time to live on sandbox NAME."""
+    info = Client().update(name, labels=parse_labels(labels), ttl_s=ttl_s, replace_labels=replace)
     if as_json:
-        click.echo(json.dumps(info, indent=2))
+        emit(info)
         return
-    for k, v in info.items():
-        if k.endswith("_bytes"):
-            v = _size(v)
-        click.echo(f"{k + ':':16} {v}")
+    shown = ", ".join(f"{k}={v}" for k, v in sorted(info.labels.items())) or "no labels"
+    click.echo(f"{name}: {shown}" + (f"; expires in {info.expires_at - time.time():.0f} s"
+                                      if info.expires_at is not None else ""))
+
+
+def _table(rows: list[SandboxInfo]) -> None:
+    click.echo(f"{'NAME':24} {'STATE':9} {'TEMPLATE':16} {'DOMAIN':10} {'MODE':6} {'RESIDENT':>10} {'STORED':>10}")
+    for r in rows:
+        click.echo(f"{r.name:24} {r.state:9} {r.template:16} {r.sharing_domain:10} "
+                   f"{r.ram_mode:6} {_size(r.resident_bytes):>10} {_size(r.stored_bytes):>10}")
 
 
 @click.command()
-def daemon() -> None:
-    """Run the manager daemon in the foreground (socket /run/azqemu/azqemu.sock)."""
-    from azqemu.daemon.server import serve
+@click.argument("name")
+@json_option
+def dominfo(name: str, as_json: bool) -> None:
+    """Show one sandbox (every field the daemon reports)."""
+    info = Client().dominfo(name).as_json()
+    if as_json:
+        emit(info)
+        return
+    for k, v in info.items():
+        if k.endswith("_bytes") and isinstance(v, int | None):
+            v = _size(v)
+        click.echo(f"{k + ':':16} {_shown(v)}")
 
-    logging.getLogger().addHandler(logging.StreamHandler(sys.stderr))
-    serve()
+
+def _shown(v: Any) -> str:
+    if isinstance(v, dict):
+        return ", ".join(f"{k}={fmt_bytes(x) if k.endswith('_bytes') and isinstance(x, int) else x}"
+                         for k, x in v.items())
+    return str(v)

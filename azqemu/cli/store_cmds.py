@@ -15,6 +15,7 @@ import socket
 
 import click
 
+from azqemu.cli.output import json_option
 from azqemu.errors import ConfigError
 
 
@@ -37,7 +38,7 @@ def _daemon_running(path: str) -> bool:
 
 @store.command("check")
 @click.option("--repair", is_flag=True, help="Free the sandboxes with damaged pages (reported) and commit.")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@json_option
 @click.option("--store-dir", type=click.Path(file_okay=False), default=None,
               help="The store directory (default: AZQ_SHM_DIR/store).")
 def check_cmd(repair: bool, as_json: bool, store_dir: str | None) -> None:

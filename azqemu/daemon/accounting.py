@@ -67,15 +67,18 @@ class Accounting:
         return os.stat(procfs.find_ram_fd(pid)).st_blocks * 512
 
     def describe(self, rec: SandboxRecord) -> dict[str, Any]:
-        """One row of ``azq list``: the record, the domain's state and the memory it holds."""
+        """One row of ``azq list``: the record, the lifecycle state (``state``: running,
+        compressed, failed ...; daemon/states.py) and why it failed (``failed_reason``), the
+        domain's own state as libvirt says it (``domain_state``) and the memory it holds."""
         d = asdict(rec)
+        d["state"], d["failed_reason"] = self.reg.state_of(rec.name)
         try:
             dom = self.reg.host.get_domain(rec.name)
-            d["state"] = dom.state()
+            d["domain_state"] = dom.state()
             d["qemu_pid"] = dom.qemu_pid()
             d["resident_bytes"] = self.domain_resident_bytes(dom, rec.ram_mode)
         except DomainNotFound:
-            d.update(state="gone", qemu_pid=None, resident_bytes=None)
+            d.update(domain_state="gone", qemu_pid=None, resident_bytes=None)
         mem = self.memory.get(rec.name)
         d["stored_bytes"] = mem.stored_bytes() if mem is not None else 0
         d["compressed"] = bool(mem is not None and mem.compressed)

@@ -28,13 +28,15 @@ import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from azqemu import config as config_mod
-from azqemu.daemon.client import Client
 from azqemu.errors import ConfigError
 from azqemu.host.procfs import read_meminfo
 from azqemu.units import GIB, KIB, MIB
+
+if TYPE_CHECKING:
+    from azqemu.client import Client
 
 DEFAULT_RESERVE_BYTES = 256 * MIB
 DEFAULT_BENCH_POLICY = "agentzip"
@@ -133,22 +135,24 @@ def measure(client: Client | None = None, *, template: str | None = None, policy
     """Ask the daemon for its templates and sandboxes' costs and work the figure out.
 
     Without ``template``: the template with the most sandboxes (or the only one)."""
+    from azqemu.client import Client
+
     c = client or Client()
-    templates = {t["name"]: t for t in c.call("template_list")}
-    rows = c.call("list")
+    templates = {t.name: t for t in c.template_list()}
+    rows = [r.as_json() for r in c.list_sandboxes()]
     if template is None:
         if not templates:
             raise ConfigError("no template on this host (azq template create)")
         template = max(templates, key=lambda n: (sum(1 for r in rows if r["template"] == n), n))
     if template not in templates:
         raise ConfigError(f"no template {template!r} on this host")
-    names = [r["name"] for r in rows if r["template"] == template and r.get("state") in LIVE_STATES
+    names = [r["name"] for r in rows if r["template"] == template and r.get("domain_state", r.get("state")) in LIVE_STATES
              and (policy is None or r.get("policy") == policy)]
-    owned = c.call("owned", names=names)
+    owned = c.owned(names).as_json()
     costs = [int(o["owned_bytes"]) + int(o["qemu_own_bytes"]) for o in owned["sandboxes"].values()
-             if "error" not in o and o.get("owned_bytes")]
+             if o.get("error") is None and o.get("owned_bytes")]
     bench = None if costs else bench_cost(bench_candidates(), policy or DEFAULT_BENCH_POLICY)
-    return estimate(template=template, policy=policy, guest_bytes=int(templates[template]["mem_mib"]) * MIB,
+    return estimate(template=template, policy=policy, guest_bytes=int(templates[template].mem_mib) * MIB,
                     costs=costs, bench=bench, meminfo=read_meminfo(),
                     reserve_bytes=reserve_from_env() if reserve_bytes is None else reserve_bytes,
                     manager_bytes=int(owned.get("manager_rss_bytes", 0)),

@@ -1,12 +1,25 @@
 """The sandbox lifecycle service: clone batches, destroy, exec, pause, compress and resume.
 
+Every operation goes through the sandbox's state machine (azqemu/daemon/states.py): it holds
+the sandbox's ``Slot.lock``, checks the state it needs and moves the sandbox with
+``Slot.to``, so compress, resume, exec and destroy on one sandbox, in any order and from any
+number of threads, each end in one defined way:
+
+- destroy marks the sandbox, cancels a compression in progress (it stops at its next step),
+  then waits for the lock; operations that had not started yet refuse (SandboxStateError),
+  operations that wait for the lock afterwards find the sandbox gone (SandboxNotFound);
+- compress needs ``running`` (or ``compressed``: again) and no command running in the guest;
+  it ends ``compressed``, or ``running`` again (vCPUs continued) when cancelled or refused
+  before anything was lost (StoreFull, a cancel); a crash in it fails the sandbox;
+- resume and exec cancel a compression, wait for it, and resume a ``compressed`` sandbox:
+  ``resuming`` puts the hot set back, continues the vCPUs and ends ``running``; a page that
+  cannot be produced fails the sandbox with the reason (never a guest waiting in silence);
+- a ``failed`` sandbox refuses everything but destroy, and says why.
+
 A clone batch is all or nothing: names are checked before anything is made (a taken name
 is refused and the existing sandbox is never touched), clones start in parallel, bounded,
-and if one fails every sandbox the batch made is destroyed again. Compress pauses the
-domain (marking it paused by azqemu) and has the memory service encode its RAM; resume
-puts the hot set back first, then continues the vCPUs. Exec runs a command through the
-guest agent, resuming a sandbox azqemu paused first; a sandbox its user paused is refused.
-Every change to a sandbox holds that sandbox's lock (``Registry.lock``).
+and if one fails every sandbox the batch made is destroyed again. Exec runs a command
+through the guest agent; a sandbox its user paused is refused.
 """
 
 from __future__ import annotations
@@ -15,7 +28,7 @@ import base64
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
@@ -24,9 +37,21 @@ from azqemu.agent import GuestAgent
 from azqemu.daemon.memsvc import MemoryService
 from azqemu.daemon.registry import Registry
 from azqemu.daemon.requests import MAX_CLONES_PER_REQUEST
-from azqemu.errors import ConfigError, DomainStateError, SandboxExists
+from azqemu.daemon.states import TRANSIENT, Slot, State
+from azqemu.errors import (
+    AzqemuError,
+    ConfigError,
+    DomainStateError,
+    RestoreError,
+    SandboxExists,
+    SandboxNotFound,
+    SandboxStateError,
+    StoreError,
+)
 from azqemu.host import doctor
+from azqemu.memory.crashpoint import crash_point
 from azqemu.names import validate_name
+from azqemu.restore.errors import PageUnavailable
 from azqemu.sched import policy as policy_mod
 from azqemu.sched.actions import SchedState
 from azqemu.virt.clones import (
@@ -62,6 +87,9 @@ class Lifecycle:
         self.memory = memory
         self._clone_one = clone_fn
         self._destroy = destroy_fn
+        # The memory service fails sandboxes it cannot serve (lost pages, a handler that
+        # keeps dying) through this narrow callback.
+        memory.on_failed = registry.fail
 
     # -- clone and destroy --------------------------------------------------------------
     def clone_batch(self, template: str, count: int = 1, name_prefix: str | None = None,
@@ -88,7 +116,9 @@ class Lifecycle:
 
         for n in names:
             # Refuse a taken name before anything is made (and never touch the existing one).
-            if n in reg.sched or reg.sandboxes.path(n).exists() or reg.host.has_domain(n):
+            slot = reg.slots.get(n)
+            if (n in reg.sched or reg.sandboxes.path(n).exists() or reg.host.has_domain(n)
+                    or (slot is not None and not slot.retired)):
                 raise SandboxExists(n)
         attached: set[str] = set()
 
@@ -97,7 +127,11 @@ class Lifecycle:
             attached.add(ident.name)
 
         def one(n: str) -> SandboxRecord:
-            with reg.lock(n):
+            try:
+                slot = reg.slots.add(n, State.CREATING)
+            except SandboxStateError:
+                raise SandboxExists(n) from None    # another batch makes it right now
+            with slot.lock:
                 try:
                     rec = self._clone_one(reg.host, tmpl, n, sharing_domain=sharing_domain, ram_mode=mode,
                                           fill=fills.get(mode, lazy_fill), repo=reg.sandboxes, env=env,
@@ -105,10 +139,13 @@ class Lifecycle:
                                           policy=pol.name, grace_s=float(grace_s),
                                           ksm_merge=pol.linux_reclaim)
                     reg.sched[n] = SchedState(pol, grace_s=float(grace_s))
+                    slot.to(State.RUNNING)
+                    rec.state = State.RUNNING.value
                     return rec
                 except BaseException:
                     if n in attached:  # only the memory this attempt attached
                         self.memory.detach(n)
+                    reg.slots.remove(n, slot)
                     raise
 
         with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_CLONES, len(names))) as pool:
@@ -157,14 +194,58 @@ class Lifecycle:
                 "AZQ_UFFD_SOCKET": "",  # per clone, filled in by clone_one
                 "AZQ_UFFD_RAM_MATCH": "/ram.img" if mode == "cow" else "memory-backend-memfd"}
 
+    # -- the state machine's door ---------------------------------------------------------
+    @contextlib.contextmanager
+    def _locked(self, name: str, operation: str) -> Iterator[Slot]:
+        """Hold the sandbox's lock for ``operation``: SandboxNotFound if it went while we
+        waited, SandboxStateError if a destroy asked for it first."""
+        slot = self.reg.slot(name)
+        with slot.lock:
+            if slot.retired:
+                raise SandboxNotFound(name)
+            if slot.destroy_requested:
+                raise SandboxStateError(name, State.DESTROYING.value, operation)
+            yield slot
+
+    @staticmethod
+    def _end(slot: Slot, new: State, operation: str) -> None:
+        """The last step of an operation: a sandbox that failed meanwhile stays failed and
+        the operation reports why."""
+        if slot.state is State.FAILED:
+            raise SandboxStateError(slot.name, State.FAILED.value, operation, slot.reason)
+        slot.to(new)
+
+    # -- destroy -------------------------------------------------------------------------
     def destroy(self, name: str) -> None:
-        with self.reg.lock(name):
-            # Unregister before the domain goes: a QEMU blocked on an unserved fault makes
-            # libvirt's destroy hang for seconds.
-            self.memory.cancel(name)
+        """Cancel what runs on the sandbox, wait for it, then destroy it (from any state)."""
+        slot = self.reg.find_slot(name)
+        if slot is None:
+            self._destroy(self.reg.host, self.reg.sandboxes, name)  # a domain without a record
+            return
+        slot.request_destroy()
+        # A compression in progress stops at its next step, so the wait below is short.
+        # Known race, accepted: a compression that starts its scan between this cancel and
+        # its own start (SandboxMemory.compress clears the cancel) runs to its end first.
+        self.memory.cancel(name)
+        with slot.lock:
+            if slot.retired:
+                raise SandboxNotFound(name)
+            if slot.state in TRANSIENT - {State.CREATING}:
+                # Left there by an operation that ended without settling (a bug): failed,
+                # so that the destroy below is a transition the table allows.
+                slot.fail(f"found {slot.state.value} with no operation under way")
+            slot.to(State.DESTROYING)
+            self.reg.sched.pop(name, None)
+            try:
+                # Unregister before the domain goes: a QEMU blocked on an unserved fault
+                # makes libvirt's destroy hang for seconds.
+                self.memory.cancel(name)
+                self.memory.release(name)
+                self._destroy(self.reg.host, self.reg.sandboxes, name)
+            except BaseException as exc:
+                slot.to(State.FAILED, f"destroy failed: {type(exc).__name__}: {exc}")
+                raise
             self.reg.forget(name)
-            self.memory.release(name)
-            self._destroy(self.reg.host, self.reg.sandboxes, name)
 
     # -- exec ----------------------------------------------------------------------------
     def exec(self, name: str, argv: list[str], timeout_s: float = EXEC_DEFAULT_TIMEOUT_S,
@@ -172,25 +253,29 @@ class Lifecycle:
         if not argv:
             raise ConfigError("no command given (azq exec SANDBOX -- CMD ...)")
         t0 = time.monotonic()
+        slot = self.reg.slot(name)
         dom = self.reg.domain(name)
         st = self.reg.sched.get(name)
         if st is not None:
             st.tracker.exec_started()  # from now on the scheduler leaves this sandbox alone
+        slot.exec_started()            # and a compress asked for now is refused
         try:
             self.memory.cancel(name)  # a compression in progress stops at its next step
             resume: dict[str, Any] = {}
             # Under the lock: a compression that already passed its last phase check may be
-            # pausing the sandbox right now; once it is done (or cancelled) we see its mark.
-            with self.reg.lock(name):
-                if name in self.reg.paused_by_azq:
+            # pausing the sandbox right now; once it is done (or cancelled) we see its state.
+            with self._locked(name, "exec") as slot:
+                state = slot.require("exec", (State.RUNNING, State.COMPRESSED))
+                if state is State.COMPRESSED and not slot.user_paused:
                     resume = self.resume_locked(name, dom, prefetch=st.policy.prefetch if st else True)
-            state = dom.state()
-            if state != "running":
-                raise DomainStateError(name, state, "running")
+            dstate = dom.state()
+            if dstate != "running":
+                raise DomainStateError(name, dstate, "running")
             agent = GuestAgent(name, dom.agent_command)
             stdin = base64.b64decode(stdin_b64) if stdin_b64 else None
             res = agent.exec(argv, timeout_s=float(timeout_s), stdin=stdin)
         finally:
+            slot.exec_ended()
             if st is not None:
                 st.tracker.exec_ended()
         return {"exit_code": res.exit_code, "stdout_b64": base64.b64encode(res.stdout).decode(),
@@ -200,25 +285,58 @@ class Lifecycle:
     # -- pause, compress, resume ---------------------------------------------------------
     def pause(self, name: str) -> None:
         """The user's pause: azqemu does not resume it (exec refuses it until resumed)."""
-        with self.reg.lock(name):
+        with self._locked(name, "pause") as slot:
+            slot.require("pause", (State.RUNNING, State.COMPRESSED))
             dom = self.reg.domain(name)
             if dom.state() != "paused":
                 dom.suspend()
+            slot.user_paused = True
 
     def resume(self, name: str, prefetch: bool = True) -> dict[str, Any]:
         """Continue a sandbox; a compressed one gets its hot set back first."""
+        self.reg.slot(name)
         self.memory.cancel(name)  # a compression in progress stops at its next step
-        with self.reg.lock(name):
+        with self._locked(name, "resume") as slot:
+            slot.require("resume", (State.RUNNING, State.COMPRESSED))
+            slot.user_paused = False
             return self.resume_locked(name, self.reg.domain(name), prefetch=prefetch)
 
     def resume_locked(self, name: str, dom: Domain, *, prefetch: bool = True) -> dict[str, Any]:
-        """The caller holds the sandbox's lock."""
+        """The caller holds the sandbox's lock. A running sandbox's vCPUs are continued (the
+        user's pause); a compressed one goes through ``resuming``."""
         t0 = time.perf_counter()
         out: dict[str, Any] = {"prefetched_pages": 0, "prefetch_s": 0.0}
-        out.update(self.memory.prefetch(name, hot=prefetch))
-        if dom.state() == "paused":
-            dom.resume()
-        self.reg.paused_by_azq.discard(name)
+        slot = self.reg.slot(name)
+        state = slot.require("resume", (State.RUNNING, State.COMPRESSED))
+        if state is State.RUNNING:
+            if dom.state() == "paused":
+                dom.resume()
+            out["resume_s"] = time.perf_counter() - t0
+            return out
+        slot.to(State.RESUMING)
+        crash_point("before-prefetch")
+        try:
+            out.update(self.memory.prefetch(name, hot=prefetch))
+            crash_point("after-prefetch")
+            if dom.state() == "paused":
+                dom.resume()
+            crash_point("after-vcpu-resume")
+        except (StoreError, RestoreError) as exc:
+            if isinstance(exc, (StoreError, PageUnavailable)):
+                # A page the guest needs cannot be produced: it would wait on it for ever.
+                slot.fail(f"resume could not put its pages back: {type(exc).__name__}: {exc}")
+            else:
+                with contextlib.suppress(SandboxStateError):
+                    slot.to(State.COMPRESSED)
+            raise
+        except AzqemuError:
+            with contextlib.suppress(SandboxStateError):   # libvirt refused: still paused
+                slot.to(State.COMPRESSED)
+            raise
+        except BaseException as exc:
+            slot.fail(f"resume crashed: {type(exc).__name__}: {exc}")
+            raise
+        self._end(slot, State.RUNNING, "resume")
         out["resume_s"] = time.perf_counter() - t0
         return out
 
@@ -226,9 +344,10 @@ class Lifecycle:
         """Drop the copies a running sandbox holds that still equal their stored entries
         (SandboxMemory.trim), its vCPUs paused for the scan; None when there is nothing to
         trim (never compressed, compressed now, or not running)."""
-        with self.reg.lock(name):
+        with self._locked(name, "trim") as slot:
             mem = self.memory.get(name)
-            if mem is None or name in self.reg.paused_by_azq or not self.memory.has_stored(name):
+            if (mem is None or slot.state is not State.RUNNING or slot.user_paused
+                    or not self.memory.has_stored(name)):
                 return None
             dom = self.reg.domain(name)
             if dom.state() != "running":
@@ -244,16 +363,55 @@ class Lifecycle:
 
     def compress(self, name: str) -> dict[str, Any]:
         """Pause the sandbox, encode its resident RAM into the store, punch it; stays paused."""
-        with self.reg.lock(name):
+        with self._locked(name, "compress"):
             return self.compress_locked(name)
 
     def compress_locked(self, name: str) -> dict[str, Any]:
         """The caller holds the sandbox's lock."""
+        slot = self.reg.slot(name)
         rec = self.reg.record(name)
         dom = self.reg.domain(name)
         if not self.memory.lazy_available:
             raise ConfigError(f"cannot compress {name!r}: {doctor.restore_mode()[1]}")
-        if dom.state() == "running":
-            self.reg.paused_by_azq.add(name)
-            dom.suspend()
-        return self.memory.compress(rec)
+        before = slot.require("compress", (State.RUNNING, State.COMPRESSED))
+        if slot.destroy_requested:
+            raise SandboxStateError(name, State.DESTROYING.value, "compress")
+        if slot.execs:
+            # Its vCPUs would stop under the command, which would then wait for its timeout.
+            raise SandboxStateError(name, before.value, "compress", "a command runs in it (exec)")
+        slot.to(State.COMPRESSING)
+        paused_here = False
+        try:
+            if dom.state() == "running":
+                dom.suspend()
+                paused_here = True
+            crash_point("after-pause")
+            out = self.memory.compress(rec)
+        except (AzqemuError, OSError) as exc:
+            # Refused or cancelled before anything was lost: the guest keeps its pages (or the
+            # store, committed before any drop, serves them); it runs on as it was.
+            log.info("%s: compression ended early: %s", name, exc)
+            self._back_from_compress(slot, before, dom, paused_here)
+            raise
+        except BaseException as exc:
+            slot.fail(f"compression crashed: {type(exc).__name__}: {exc}")
+            raise
+        if out.get("cancelled"):
+            self._back_from_compress(slot, before, dom, paused_here)
+        else:
+            self._end(slot, State.COMPRESSED, "compress")
+        return out
+
+    def _back_from_compress(self, slot: Slot, before: State, dom: Domain, paused_here: bool) -> None:
+        """A compression that did not finish: back to ``before``, vCPUs continued if it
+        paused them (whoever cancelled it wants them running, or destroys the sandbox)."""
+        if slot.state is State.FAILED:
+            return
+        if before is State.RUNNING and paused_here:
+            try:
+                dom.resume()
+            except AzqemuError as exc:
+                slot.fail(f"vCPUs could not be continued after a compression ended early: {exc}")
+                return
+        slot.to(before)
+

@@ -10,8 +10,11 @@ Store entries are bound to the sandbox's domain UUID: a sandbox whose domain is 
 another UUID (a reused name) has its entries freed (``free_stale`` at reconcile, ``attach``
 of a new clone, ``release`` at destroy). A store that cannot be opened is moved aside
 (``store.unreadable-<time>``, kept for inspection) and a new one started; the sandboxes it
-held are reported failed (``failed``: name -> reason) and their memory is not served from
-anywhere else (a guest waits on a lost page; it never gets a template or zero page instead).
+held are reported failed (``failed``: name -> reason, and ``on_failed``: the lifecycle's
+state machine) and their memory is not served from anywhere else (a guest waits on a lost
+page; it never gets a template or zero page instead). A ``FaultSupervisor`` (supervisor.py)
+watches every fault handler: a dead one is started again, an unservable page retried, and a
+sandbox whose faults stay unservable is failed with the reason.
 """
 
 from __future__ import annotations
@@ -21,14 +24,17 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from azqemu import config as config_mod
 from azqemu.daemon import durations
 from azqemu.daemon.sandboxmem import SandboxMemory
+from azqemu.daemon.supervisor import FaultSupervisor, SupervisedMemory
 from azqemu.errors import ConfigError, StoreCorrupt, StoreError, StoreForeign
 from azqemu.host import selfmem
+from azqemu.memory.crashpoint import crash_point
 from azqemu.memory.persist import STORE_FILE, read_store
 from azqemu.memory.store import PageStore
 from azqemu.memory.template import TemplateImage
@@ -59,6 +65,11 @@ class MemoryService:
         selfmem.bound_heap_caching()
         # Sandboxes whose stored pages were lost (a quarantined store or index): name -> reason.
         self.failed: dict[str, str] = {}
+        # Told of every failure (name, reason): the lifecycle's state machine (Registry.fail).
+        self.on_failed: Callable[[str, str], object] | None = None
+        # Held around a detach and a supervisor's restart of a handler.
+        self._handlers_guard = threading.Lock()
+        self.supervisor = FaultSupervisor(self._supervised, self._fail, self._handlers_guard)
 
     # -- the store and the template images ----------------------------------------------
     @property
@@ -102,6 +113,11 @@ class MemoryService:
     def _fail(self, name: str, reason: str) -> None:
         self.failed[name] = reason
         log.error("sandbox %s failed: %s", name, reason)
+        if self.on_failed is not None:
+            self.on_failed(name, reason)
+
+    def _supervised(self) -> list[tuple[str, SupervisedMemory]]:
+        return list(self.mem.items())
 
     def opened_store(self) -> PageStore | None:
         """The store if it was opened (accounting must not create one to read it)."""
@@ -168,8 +184,13 @@ class MemoryService:
                             template_ram=self.templates.ram_path(tmpl.name), lazy_clone=lazy_clone,
                             use_siblings=use_siblings, owner=owner)
         if lazy_clone or self.has_stored(name):
+            if owner is not None and self.has_stored(name):
+                # A restarted manager (or a first compression's attach): the stored pages are
+                # the store's again in the sources; nothing serves faults yet.
+                crash_point("after-reattach")
             mem.attach()
         self.mem[name] = mem
+        self.supervisor.ensure_started()
         return mem
 
     def cancel(self, name: str) -> None:
@@ -180,9 +201,10 @@ class MemoryService:
 
     def detach(self, name: str) -> None:
         """Stop answering for the RAM of ``name``; its pages stay in the store."""
-        mem = self.mem.pop(name, None)
-        if mem is not None:
-            mem.detach()
+        with self._handlers_guard:
+            mem = self.mem.pop(name, None)
+            if mem is not None:
+                mem.detach()
 
     def release(self, name: str) -> None:
         """Detach, and free the sandbox's pages and references in the store."""
@@ -273,6 +295,7 @@ class MemoryService:
     def close(self) -> None:
         """Stop serving faults without unregistering: QEMU keeps its uffd, so a compressed
         guest waits for the next manager instead of reading zero pages."""
+        self.supervisor.stop()
         for mem in list(self.mem.values()):
             mem.handler.stop()
         if self._store is not None:

@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator
 
 from azqemu import config as config_mod
-from azqemu.daemon.client import Client
+from azqemu.client import Client
 from azqemu.errors import DaemonError, DaemonUnavailable
 
 READY_TIMEOUT_S = 60.0
@@ -19,7 +19,8 @@ READY_TIMEOUT_S = 60.0
 
 def running() -> bool:
     try:
-        Client(timeout_s=5).call("ping")
+        with Client(timeout_s=5) as c:
+            c.ping()
         return True
     except DaemonUnavailable:
         return False

@@ -8,7 +8,9 @@ with pages in the store back, so a restarted daemon lists and serves the same sa
 Store entries of sandboxes whose domain is gone, or whose domain UUID is not the one the
 entries are bound to, are freed first: a name reused later starts empty. A sandbox whose
 stored pages were lost (a quarantined store) is reported ``failed`` and its memory is not
-served (its guest waits rather than read a wrong page).
+served (its guest waits rather than read a wrong page). Every running sandbox gets its
+lifecycle state back (``settled_state``): the one its record names, or where a manager died
+in the middle of an operation, the state that operation leaves the sandbox in.
 Domains of another manager (another state directory on the same libvirtd) are left alone.
 """
 
@@ -20,6 +22,7 @@ import time
 
 from azqemu.daemon.memsvc import MemoryService
 from azqemu.daemon.registry import Registry
+from azqemu.daemon.states import PAUSED_BY_AZQ, State, parse_state
 from azqemu.errors import AzqemuError
 from azqemu.sched import policy as policy_mod
 from azqemu.sched.actions import SchedState
@@ -28,6 +31,26 @@ from azqemu.virt.host import Domain
 from azqemu.virt.identity import remove_vm_dir
 
 log = logging.getLogger(__name__)
+
+
+def settled_state(rec: SandboxRecord, domain_state: str, lost: str | None, *,
+                  stored: bool, adopted: bool = False) -> tuple[State, str | None, bool]:
+    """The lifecycle state a restarted manager gives a running sandbox: (state, failed
+    reason, paused by its user). A manager that died in the middle of an operation left its
+    state in the record: a compression or resume that stopped with the vCPUs paused is
+    ``compressed`` (a tool call resumes it, its pages come from the store), a destroy that
+    did not finish is ``failed`` (destroy it again)."""
+    persisted = parse_state(rec.state)
+    paused = domain_state == "paused"
+    if lost is not None:
+        return State.FAILED, lost, False
+    if persisted is State.FAILED:
+        return State.FAILED, rec.failed_reason or "failed before the manager restarted", False
+    if persisted is State.DESTROYING:
+        return State.FAILED, "a destroy was interrupted (the manager stopped): destroy it again", False
+    if paused and (persisted in PAUSED_BY_AZQ or (adopted and stored)):
+        return State.COMPRESSED, None, False
+    return State.RUNNING, None, paused
 
 
 def reconcile(reg: Registry, memory: MemoryService) -> dict[str, list[str]]:
@@ -61,27 +84,31 @@ def reconcile(reg: Registry, memory: MemoryService) -> dict[str, list[str]]:
     except AzqemuError as exc:
         log.error("cannot free stale store entries: %s", exc)
     for name, (dom, meta) in running.items():
-        if name in memory.failed:
-            report["failed"].append(name)
-            log.error("not serving the memory of %s: %s", name, memory.failed[name])
-        elif meta.get("ram-mode") == "lazy" or memory.has_stored(name):
+        if name not in memory.failed and (meta.get("ram-mode") == "lazy" or memory.has_stored(name)):
             try:
                 memory.attach(name, meta.get("sharing-domain", DEFAULT_SHARING_DOMAIN),
                               reg.templates.get(meta.get("template", "")),
                               lazy_clone=meta.get("ram-mode") == "lazy", owner=dom.uuid)
             except AzqemuError as exc:
                 log.error("cannot reattach the memory of %s: %s", name, exc)
-        if reg.sandboxes.path(name).exists():
+                memory.failed[name] = f"its memory cannot be served again after a restart: {exc}"
+        adopted = not reg.sandboxes.path(name).exists()
+        if not adopted:
             rec = reg.sandboxes.get(name)
             reg.sched[name] = SchedState(policy_mod.get(rec.policy), grace_s=rec.grace_s)
-            if dom.state() == "paused" and memory.compressed(name):
-                reg.paused_by_azq.add(name)
         else:
-            reg.sched[name] = SchedState(policy_mod.get("manual"))
-            reg.sandboxes.save(SandboxRecord(
+            rec = SandboxRecord(
                 name=name, template=meta.get("template", "?"),
                 sharing_domain=meta.get("sharing-domain", DEFAULT_SHARING_DOMAIN),
-                ram_mode=meta.get("ram-mode", "eager"), uuid=dom.uuid, created_at=time.time()))
+                ram_mode=meta.get("ram-mode", "eager"), uuid=dom.uuid, created_at=time.time())
+            reg.sched[name] = SchedState(policy_mod.get("manual"))
+            reg.sandboxes.save(rec)
             report["adopted"].append(name)
+        state, reason, user_paused = settled_state(rec, dom.state(), memory.failed.get(name),
+                                                   stored=memory.has_stored(name), adopted=adopted)
+        reg.settle(name, state, reason, user_paused=user_paused)
+        if state is State.FAILED:
+            report["failed"].append(name)
+            log.error("sandbox %s is failed: %s", name, reason)
     log.info("reconciled with libvirt: %s", report)
     return report

@@ -1,22 +1,27 @@
 """The daemon's books: what it knows of its sandboxes besides what libvirt says.
 
 One ``Registry`` is shared by the daemon's services: the libvirt host, the template and
-sandbox records on disk, a lock per sandbox (every operation that changes a sandbox holds
-it), the scheduling state of each sandbox, and which sandboxes azqemu itself paused.
-libvirt stays the truth about what runs (``reconcile`` makes the books agree at start).
+sandbox records on disk, each sandbox's lifecycle ``Slot`` (its state, failure reason and
+the lock every operation that changes it holds; azqemu/daemon/states.py) and its scheduling
+state. A slot's state is written into the sandbox's record at every change, so a restarted
+daemon knows which sandboxes were failed (and why) or compressed. libvirt stays the truth
+about what runs (``reconcile`` makes the books agree at start).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections import defaultdict
 
 from azqemu import config as config_mod
+from azqemu.daemon.states import PAUSED_BY_AZQ, Slot, SlotTable, State, parse_state
 from azqemu.errors import DomainNotFound, SandboxNotFound
 from azqemu.sched.actions import SchedState
 from azqemu.virt.clones import SandboxRecord, SandboxRepo
 from azqemu.virt.host import Domain, Host
 from azqemu.virt.templates import TemplateRepo
+
+log = logging.getLogger(__name__)
 
 
 class Registry:
@@ -26,17 +31,80 @@ class Registry:
         self.host = host
         self.templates = templates
         self.sandboxes = sandboxes
-        self._locks: dict[str, threading.RLock] = defaultdict(threading.RLock)
-        self._locks_guard = threading.Lock()
+        # Read-modify-write of records: a state change (from any thread) and a policy change
+        # never write over each other.
+        self._records_mu = threading.Lock()
+        self.slots = SlotTable(on_change=self._persist_state)
         self.sched: dict[str, SchedState] = {}
-        # Sandboxes azqemu itself paused (compressed): a tool call resumes them; a sandbox the
-        # user paused stays paused and exec refuses it.
-        self.paused_by_azq: set[str] = set()
+
+    # -- lifecycle state --------------------------------------------------------------------
+    def slot(self, name: str) -> Slot:
+        """The sandbox's slot; SandboxNotFound if there is neither a slot nor a record."""
+        slot = self.slots.get(name)
+        if slot is not None:
+            return slot
+        rec = self.record(name)
+        return self.slots.get_or_add(name, lambda: (parse_state(rec.state), rec.failed_reason))
+
+    def find_slot(self, name: str) -> Slot | None:
+        try:
+            return self.slot(name)
+        except SandboxNotFound:
+            return None
 
     def lock(self, name: str) -> threading.RLock:
-        with self._locks_guard:
-            return self._locks[name]
+        """The lock of ``name``'s operations. A name with neither slot nor record gets a lock
+        of its own that nobody shares (the caller finds no record under it)."""
+        slot = self.find_slot(name)
+        return slot.lock if slot is not None else threading.RLock()
 
+    def state_of(self, name: str) -> tuple[str, str | None]:
+        """(state, failed reason) of a sandbox for ``azq list``/``dominfo``."""
+        slot = self.find_slot(name)
+        if slot is None:
+            return "gone", None
+        state, reason = slot.snapshot()
+        return state.value, reason
+
+    @property
+    def paused_by_azq(self) -> frozenset[str]:
+        """Sandboxes whose vCPUs azqemu stopped (compressing, compressed, resuming) and the
+        user did not pause: a tool call resumes them; a sandbox its user paused stays paused."""
+        return frozenset(n for n, s in self.slots.items() if s.state in PAUSED_BY_AZQ and not s.user_paused)
+
+    def fail(self, name: str, reason: str) -> bool:
+        """Fail a sandbox from any thread (without its lock); False if unknown or failed already."""
+        slot = self.find_slot(name)
+        if slot is None:
+            return False
+        if slot.fail(reason):
+            log.error("sandbox %s failed: %s", name, reason)
+            return True
+        return False
+
+    def _persist_state(self, name: str, state: State, reason: str | None) -> None:
+        self.update_record(name, state=state.value, failed_reason=reason)   # no record yet: nothing
+
+    def settle(self, name: str, state: State, reason: str | None = None, *, user_paused: bool = False) -> Slot:
+        """Give ``name`` a fresh slot in ``state`` (reconcile at start), written to its record."""
+        slot = self.slots.add(name, state, reason, replace=True)
+        slot.user_paused = user_paused
+        self._persist_state(name, slot.state, slot.reason)
+        return slot
+
+    def update_record(self, name: str, **fields: object) -> SandboxRecord | None:
+        """Change fields of a sandbox's record on disk (None if it has none)."""
+        with self._records_mu:
+            try:
+                rec = self.sandboxes.get(name)
+            except SandboxNotFound:
+                return None
+            for k, v in fields.items():
+                setattr(rec, k, v)
+            self.sandboxes.save(rec)
+            return rec
+
+    # -- records and domains ----------------------------------------------------------------
     def record(self, name: str) -> SandboxRecord:
         """The sandbox's record; SandboxNotFound if there is none."""
         return self.sandboxes.get(name)
@@ -53,6 +121,7 @@ class Registry:
         return [r.name for r in self.sandboxes.list() if r.template == template]
 
     def forget(self, name: str) -> None:
-        """Drop the scheduling state and the paused mark of a sandbox that goes away."""
+        """Drop the scheduling state and retire the slot of a sandbox that goes away."""
         self.sched.pop(name, None)
-        self.paused_by_azq.discard(name)
+        self.slots.remove(name)
+

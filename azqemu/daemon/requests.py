@@ -1,12 +1,13 @@
 """Requests checked at the door: every argument of every operation, before any service runs.
 
-The daemon's socket is root-only, but what arrives on it comes from scripts, orchestrators and
-benchmarks, and names become libvirt domain names, directories under the state and run
+The daemon's API (``azqemu.api.app``) calls ``check_args`` for every route, after the request
+model has checked the JSON types. Its unix socket is root-only, but what arrives on it comes
+from scripts, orchestrators and benchmarks, and names become libvirt domain names, directories under the state and run
 directories, and parts of unix socket paths. So each argument is checked here, once, by its
 name (the operations name their arguments consistently): names against ``azqemu.names``
 (no ``/``, no ``..``, ASCII, 1-64 characters), counts and sizes as integers in range, times as
 finite numbers in range (no NaN or infinity), flags as booleans, lists as lists of strings.
-A bad request gets one ``ConfigError`` line and nothing is touched.
+A bad request gets one ``ConfigError`` (HTTP 400) and nothing is touched.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from azqemu.names import validate_name
 
 MAX_CLONES_PER_REQUEST = 256
 MAX_ARGV_BYTES = 1 << 20          # one command line; the guest's own ARG_MAX is 2 MiB
-MAX_STDIN_B64_BYTES = 64 << 20    # the protocol's line limit
+MAX_STDIN_B64_BYTES = 64 << 20    # the API's exec body limit (azqemu.api.guard)
 MAX_TIMEOUT_S = 7 * 86400.0
 
 
@@ -120,7 +121,7 @@ CHECKS: dict[str, Callable[[str, Any], None]] = {
 
 def check_args(op: str, args: dict[str, Any]) -> None:
     """Raise ConfigError for the first argument that is not acceptable. Arguments no check
-    knows are left to the operation's signature (an unknown one is a protocol error there)."""
+    knows are left to the request models (an unknown one is a RequestInvalid there)."""
     for arg, value in args.items():
         check = CHECKS.get(arg)
         if check is not None and value is not None:

@@ -40,18 +40,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
+from azqemu.daemon.coldrule import ColdRule, CopyHistory
+from azqemu.daemon.memstats import CompressCancelled, CompressStats, ResumeStats, TrimStats
+from azqemu.daemon.ramscan import RamScan
 from azqemu.errors import RestoreError, StoreError
-from azqemu.host.pagemap import private_pages, read_private_pages, unmapped_pages
+from azqemu.host.pagemap import unmapped_pages
 from azqemu.memory.crashpoint import crash_point, fail_point
 from azqemu.memory.kinds import Kind
 from azqemu.memory.pagehash import page_hashes
 from azqemu.memory.persist import StoreFull
-from azqemu.memory.ram import read_resident_pages
 from azqemu.memory.store import PageStore
 from azqemu.memory.template import TemplateImage
 from azqemu.pages import PAGE_SIZE, page_runs
@@ -74,47 +77,6 @@ log = logging.getLogger(__name__)
 EXPORT_CONNECT_TIMEOUT_S = 10.0
 
 
-class CompressCancelled(RestoreError):
-    def __init__(self, name: str, done: int = 0) -> None:
-        super().__init__(f"compression of {name!r} cancelled by a resume")
-        self.done = done  # stored pages already out of guest RAM
-
-
-@dataclass
-class CompressStats:
-    resident_pages: int = 0
-    stored_pages: int = 0
-    raw_pages: int = 0
-    pages_by_kind: dict[str, int] = field(default_factory=dict)
-    bytes_by_kind: dict[str, int] = field(default_factory=dict)
-    hot_pages: int = 0
-    mapped_pages: int = 0      # copy-on-write: pages mapped from the template or to the zero page
-    scan_s: float = 0.0
-    encode_s: float = 0.0
-    punch_s: float = 0.0
-    total_s: float = 0.0
-    cancelled: bool = False
-    unchanged_pages: int = 0   # copies still equal to their stored entries: not encoded again
-
-
-@dataclass
-class TrimStats:
-    resident_pages: int = 0    # copies the sandbox held
-    dropped_pages: int = 0     # of which equal to their stored entries: dropped
-    total_s: float = 0.0       # vCPUs paused for this long (plus the pause/resume calls)
-
-
-@dataclass
-class ResumeStats:
-    prefetched_pages: int = 0
-    prefetch_s: float = 0.0
-    prefetch_mib_s: float = 0.0
-    decode_s: float = 0.0      # pages decoded from the store (overlaps copy_s: pipelined)
-    copy_s: float = 0.0        # UFFDIO_COPY into QEMU
-    total_s: float = 0.0
-
-
-
 class SandboxMemory:
     """The memory side of one sandbox (thread-safe: one operation at a time)."""
 
@@ -132,6 +94,7 @@ class SandboxMemory:
         self.template = template
         self.use_siblings = use_siblings
         self._lock = threading.Lock()
+        self._handler_lock = threading.Lock()
         self._cancel = threading.Event()
         self._uffd_socket = str(uffd_socket)
         self.handle: UffdHandle = UffdExport.connect(self._uffd_socket, EXPORT_CONNECT_TIMEOUT_S)
@@ -139,6 +102,7 @@ class SandboxMemory:
         self._block_index = self.handle.blocks.index(self.block)
         self.cow = self.block.private
         self.ram_fd = -1 if self.cow else self.handle.ram_fd(self.block)
+        self.scan = RamScan(self.handle.pid, self.block.hva, self.block.page_count, self.ram_fd, self.cow)
         if self.block.offset != 0:
             raise RestoreError(f"{name}: guest RAM block starts at file offset {self.block.offset}")
         pages = self.block.page_count
@@ -173,6 +137,14 @@ class SandboxMemory:
         self.compressed = False
         self.hot_idx = np.empty(0, dtype=np.int64)
         self._prefetched_idx = np.empty(0, dtype=np.int64)
+        # Written copies seen by the last trim and the hash each had then (sorted by page):
+        # a copy whose hash has not moved since is cold for writing (Trim's second part).
+        # Pages the last trim found incompressible (RAW, left resident) are not encoded again
+        # while their hash stays.
+        self._history = CopyHistory()
+        self._resumed_at = 0.0                              # monotonic s of the last prefetch
+        self.cold = ColdRule()
+        self._trimmed_at = 0.0                              # monotonic s of the last trim
         self.last_compress = CompressStats()
         self.last_resume = ResumeStats()
         self.compress_s_total = 0.0
@@ -205,8 +177,19 @@ class SandboxMemory:
         if not self.registered:
             self.handle.register(self.block.hva, self.block.size_bytes, minor=self.cow)
             self.registered = True
-        if not self.handler.running:
-            self.handler.start()
+        self.restart_handler()
+
+    def restart_handler(self) -> bool:
+        """Start the fault handler if its thread is not running (first start, or after it
+        died: the supervisor's call). Under a lock of its own, not the memory lock a
+        compression holds for seconds, so that the two never start it twice. Returns whether
+        it started it."""
+        with self._handler_lock:
+            if self.handler.running:
+                return False
+            self.handler.stop()            # a dead thread: forget it
+            self.handler.start(wake=True)  # faults read by the dead thread are asked again
+            return True
 
     def detach(self) -> None:
         """Stop answering for this RAM: unregister first so no fault is left unserved."""
@@ -230,18 +213,36 @@ class SandboxMemory:
     def resident_bytes(self) -> int:
         """Guest RAM held for this sandbox alone: the memfd's pages, or the anonymous copies
         of a copy-on-write mapping."""
-        import os
+        return self.scan.resident_bytes()
 
-        if self.cow:
-            return len(private_pages(self.handle.pid, self.block.hva, self.block.page_count)) * PAGE_SIZE
-        return os.fstat(self.ram_fd).st_blocks * 512
-
-    def _read_resident(self) -> tuple[np.ndarray, np.ndarray]:
-        if self.cow:
-            return read_private_pages(self.handle.pid, self.block.hva, self.block.page_count)
-        idx, pages = read_resident_pages(self.ram_fd)
-        keep = idx < self.block.page_count
-        return idx[keep], pages[keep]
+    def _encode(self, parts: Iterator[tuple[np.ndarray, np.ndarray]], hot_idx: np.ndarray | None,
+                st: CompressStats | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Encode (indices, pages) chunks into the store. Returns (stored, raw) page indices.
+        ``hot_idx``: pages the next resume wants first (lazy clones: the cheap-to-decode codec).
+        A failure (StoreFull, a cancel) forgets what earlier chunks encoded and raises: nothing
+        was dropped yet, so the resident copies are the truth."""
+        stored: list[np.ndarray] = []
+        raw: list[np.ndarray] = []
+        try:
+            for part, pages in parts:
+                self._check_cancel()
+                hot = None if hot_idx is None else np.isin(part, hot_idx)
+                res = self.store.encode(self.name, self.sharing_domain, part, pages, self.template,
+                                        use_siblings=self.use_siblings, hot=hot, owner=self.owner)
+                stored.append(res.stored_idx.astype(np.int64))
+                raw.append(res.raw_idx.astype(np.int64))
+                if st is not None:
+                    for k, v in res.pages.items():
+                        st.pages_by_kind[k] = st.pages_by_kind.get(k, 0) + v
+                    for k, v in res.bytes.items():
+                        st.bytes_by_kind[k] = st.bytes_by_kind.get(k, 0) + v
+        except BaseException:
+            if stored:
+                self.store.discard(self.name, np.concatenate(stored))
+            raise
+        empty = np.empty(0, dtype=np.int64)
+        return (np.sort(np.concatenate(stored)) if stored else empty,
+                np.sort(np.concatenate(raw)) if raw else empty)
 
     # -- compress -------------------------------------------------------------------------
     def compress(self) -> CompressStats:
@@ -251,7 +252,7 @@ class SandboxMemory:
         t0 = time.perf_counter()
         with self._lock:
             self._serve()
-            idx, pages = self._read_resident()
+            idx = self.scan.index()
             st.resident_pages = len(idx)
             st.scan_s = time.perf_counter() - t0
             self._check_cancel()
@@ -260,8 +261,9 @@ class SandboxMemory:
             # the prefetch (it did not fault because it was already there). Without the
             # second part the set would flip between two halves from one wait to the next.
             # Prefetched pages that went untouched cannot be told apart here (no idle-page
-            # tracking in this kernel), so the set is the union of the working sets seen.
-            # Ageing out pages only the prefetch kept was tried and measured worse: a tool
+            # tracking in this kernel), so the set is the union of the working sets seen,
+            # less the prefetched pages a trim dropped unused in a long tool call (trim).
+            # Ageing out pages only the prefetch kept, by phases, was measured worse: a tool
             # that runs every few phases (the unit tests) lost its pages to the ageing and
             # paid thousands of faults when it came back, each a round trip to this process
             # on a host whose cores the guests keep busy. For a copy-on-write clone most of
@@ -282,51 +284,38 @@ class SandboxMemory:
             # XXH3-128 per page against the hash its blob recorded: the compression's CPU
             # follows what the guest wrote, not what it holds (tests/unit/memory/test_store.py
             # and test_sandboxmem_trim.py check the entries serve the same bytes).
-            unchanged = np.empty(0, dtype=np.int64)
-            if self.cow and self.name in self.store.sandboxes() and len(idx):
-                same = self._equal_to_entries(idx, pages)
-                unchanged = idx[same]
-                enc_idx, enc_pages = idx[~same], pages[~same]
-            else:
-                enc_idx, enc_pages = idx, pages
-            st.unchanged_pages = len(unchanged)
+            check_unchanged = self.cow and self.name in self.store.sandboxes()
+            kept: list[np.ndarray] = []
+
+            def changed() -> Iterator[tuple[np.ndarray, np.ndarray]]:
+                for part, pages in self.scan.chunks(idx):
+                    if check_unchanged:
+                        same = self._equal_to_entries(part, pages)
+                        kept.append(part[same])
+                        part, pages = part[~same], pages[~same]
+                    yield part, pages
             # Copy-on-write: the pages a resume copies back are only the stored ones, a few
             # thousand; they decode in milliseconds with zstd, so the store keeps them small
             # rather than fast (LZ4). Lazy clones bring back their whole working set.
-            hot = None if self.cow else np.isin(enc_idx, hot_idx)
-            res = self.store.encode(self.name, self.sharing_domain, enc_idx, enc_pages, self.template,
-                                    use_siblings=self.use_siblings, hot=hot, owner=self.owner)
-            del pages, enc_pages
+            enc_stored, enc_raw = self._encode(changed(), None if self.cow else hot_idx, st)
+            unchanged = np.concatenate(kept) if kept else np.empty(0, dtype=np.int64)
+            st.unchanged_pages = len(unchanged)
             crash_point("after-encode")
             st.encode_s = time.perf_counter() - t1
-            st.pages_by_kind, st.bytes_by_kind = dict(res.pages), dict(res.bytes)
-            st.stored_pages, st.raw_pages = len(res.stored_idx), len(res.raw_idx)
+            st.stored_pages, st.raw_pages = len(enc_stored), len(enc_raw)
             self.hot_idx = hot_idx
             self._prefetched_idx = np.empty(0, dtype=np.int64)
             self.handler.reset_hot()
             st.hot_pages = len(self.hot_idx)
-            stored = np.sort(res.stored_idx.astype(np.int64))
-            free = np.empty(0, dtype=np.int64)
-            if self.cow:
-                stored, free = self._unstore_free_pages(stored)
-            # Durable first, sources second, punch last: a page must be on disk and findable
-            # before it disappears (write-ahead; docs/memory.md "Crash consistency").
-            try:
-                fail_point("flush-before-drop", lambda: StoreFull(str(self.store.root), "injected (AZQ_FAIL_AT)"))
-                self.store.flush()
-            except (StoreError, OSError) as exc:
-                # Nothing was dropped: the guest keeps every page, the store forgets this
-                # round's entries (their space goes at the next commit or at once).
-                log.error("%s: compression abandoned, the store could not commit: %s", self.name, exc)
-                self.store.discard(self.name, res.stored_idx.astype(np.int64))
-                raise
-            crash_point("after-flush")
+            self._history = CopyHistory()   # trims start again; so does the handler's
+            self.cold.forget_drops()        # fault record (reset_hot above)
+            stored, free = self._commit(enc_stored)
             self.sources.assign(np.union1d(stored, unchanged), self._store_src)
             t2 = time.perf_counter()
             try:
                 if self.cow:
                     # Every copy goes but the incompressible ones, which stay resident.
-                    self._discard_copies(np.setdiff1d(idx, res.raw_idx, assume_unique=True))
+                    self._discard_copies(np.setdiff1d(idx, enc_raw, assume_unique=True))
                 else:
                     self._punch(stored)
             except CompressCancelled as cancel:
@@ -335,19 +324,7 @@ class SandboxMemory:
                 self.store.discard(self.name, left)
                 self.sources.assign(left, self._unstored)
                 st.cancelled = True
-            if self.cow and not st.cancelled:
-                st.mapped_pages = self._map_unstored()
-            if len(free):
-                # Mapped now (or, cancelled, still resident): their entries can go. They were
-                # kept durable through the DISCARD so that a manager killed before the mapping
-                # serves them from the store, not from the template's page cache.
-                self.store.discard(self.name, free)
-            try:
-                # Commits a cancel's discards (nothing to write otherwise). If it fails the
-                # durable generation still names pages that are resident: never served.
-                self.store.flush()
-            except (StoreError, OSError) as exc:
-                log.warning("%s: store flush after the punch failed: %s", self.name, exc)
+            st.mapped_pages = self._settle(free, mapped=self.cow and not st.cancelled)
             st.punch_s = time.perf_counter() - t2
             st.total_s = time.perf_counter() - t0
             self.compressed = not st.cancelled
@@ -355,12 +332,69 @@ class SandboxMemory:
             self.last_compress = st
             return st
 
+    def _commit(self, encoded: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Make this round's entries durable before any page is dropped. Returns the pages
+        to drop that the store now serves and, copy-on-write, the free ones (template or
+        zero again: mapped, not stored). A store that cannot commit forgets the round's
+        entries and raises: nothing was dropped, the guest keeps every page."""
+        stored = np.sort(encoded.astype(np.int64))
+        free = np.empty(0, dtype=np.int64)
+        if self.cow:
+            stored, free = self._unstore_free_pages(stored)
+        # Durable first, sources second, drop last: a page must be on disk and findable
+        # before it disappears (write-ahead; docs/memory.md "Crash consistency").
+        try:
+            fail_point("flush-before-drop", lambda: StoreFull(str(self.store.root), "injected (AZQ_FAIL_AT)"))
+            self.store.flush()
+        except (StoreError, OSError) as exc:
+            # Their space goes at the next commit or at once.
+            log.error("%s: compression abandoned, the store could not commit: %s", self.name, exc)
+            self.store.discard(self.name, encoded.astype(np.int64))
+            raise
+        crash_point("after-flush")
+        return stored, free
+
+    def _settle(self, free: np.ndarray, *, mapped: bool) -> int:
+        """After the drop: map what is not stored (copy-on-write), then release the free
+        pages' entries and commit. Returns the pages mapped."""
+        n = self._map_unstored() if mapped else 0
+        if len(free):
+            # Mapped now (or, cancelled, still resident): their entries can go. They were
+            # kept durable through the DISCARD so that a manager killed before the mapping
+            # serves them from the store, not from the template's page cache.
+            self.store.discard(self.name, free)
+        try:
+            # Commits a cancel's discards (nothing to write otherwise). If it fails the
+            # durable generation still names pages that are resident: never served.
+            self.store.flush()
+        except (StoreError, OSError) as exc:
+            log.warning("%s: store flush after the drop failed: %s", self.name, exc)
+        return n
+
+    def trim_due(self, every_s: float) -> bool:
+        """Whether a trim now could drop anything its predecessor could not: at most one per
+        ``every_s``, and one per half cold age (a page must stay unchanged that long)."""
+        return (self.cow and not self.compressed
+                and time.monotonic() - self._trimmed_at >= max(every_s, self.cold.after_s / 2))
+
     def trim(self) -> TrimStats:
-        """Copy-on-write, in a tool call: drop the copies that still equal their stored
-        entries (put back by the last resume, not written since); the entries serve them on
-        their next touch. The caller pauses the vCPUs: a page written between the comparison
-        and the drop would be lost. Nothing is encoded and the store does not change, so no
-        flush is needed: every dropped page is already named by a durable generation."""
+        """Copy-on-write, in a tool call: drop the copies the guest is not using, so that a
+        long tool call holds what it works on, not everything the sandbox ever had. Two kinds
+        go, neither touched by a fault since the last compression (a page that faulted back is
+        in use: dropping it again would only make it fault at every trim):
+
+        - copies still equal to their stored entries (put back by the last resume, not
+          written since): dropped, the entries serve them on their next touch. Nothing to
+          encode or commit: a durable generation names them already;
+        - copies the guest wrote whose bytes have not changed since the last trim (cold for
+          writing: a build tree, a log, a heap the tool left behind): encoded, committed
+          durable, then dropped, exactly as a compression does.
+
+        Both left alone for ``self.cold.after_s`` at least (since the resume, or with the same
+        hash). There is no access tracking in this kernel (no idle-page bits), so whether a
+        dropped page is still read is learned by its fault: it comes back once and stays for
+        the rest of the phase, and the share that comes back adapts the rule (coldrule.py).
+        The caller pauses the vCPUs: a page written between the scan and the drop would be lost."""
         st = TrimStats()
         t0 = time.perf_counter()
         with self._lock:
@@ -369,22 +403,74 @@ class SandboxMemory:
             self._cancel.clear()
             if not self.cow or not self.registered or self.compressed or self.name not in self.store.sandboxes():
                 return st
-            idx, pages = self._read_resident()
+            idx = self.scan.index()
             st.resident_pages = len(idx)
-            if len(idx):
-                drop = idx[self._equal_to_entries(idx, pages)]
-                del pages
-                # A page that faulted back since the last compression is in use: dropping it
-                # again would only make it fault again at every trim. What goes is what the
-                # resume put back and nothing touched since (a prefetched page cannot fault,
-                # so its first trim is its test: dropped, and back for good if touched).
-                drop = drop[~np.isin(drop, self.handler.hot_pages(self._block_index))]
-                self.sources.assign(drop, self._store_src)
-                try:
-                    self._discard_copies(drop)
-                    st.dropped_pages = len(drop)
-                except CompressCancelled:
-                    pass   # a resume or destroy asked first: nothing was dropped
+            if not len(idx):
+                return st
+            now = self._trimmed_at = time.monotonic()
+            faulted = self.handler.hot_pages(self._block_index)
+            cold_after_s = st.cold_after_s = self.cold.judge(faulted)
+            prefetch_cold = now - self._resumed_at >= cold_after_s
+            key = np.empty(len(idx), dtype=np.uint64)
+            since = np.full(len(idx), now)
+            raw = np.zeros(len(idx), dtype=bool)
+            same_parts: list[np.ndarray] = []
+            cold_parts: list[np.ndarray] = []
+
+            def classify() -> Iterator[tuple[np.ndarray, np.ndarray]]:
+                """Per chunk: note each copy's hash and age, keep aside the ones equal to
+                their entries, yield the cold written ones for encoding."""
+                at = 0
+                for part, pages in self.scan.chunks(idx):
+                    rows = slice(at, at + len(part))
+                    at += len(part)
+                    k, check = page_hashes(pages)
+                    key[rows] = k
+                    in_use = np.isin(part, faulted)
+                    same = self.store.entries_match(self.name, part, k, check) & ~in_use
+                    if prefetch_cold:
+                        same_parts.append(part[same])
+                    # Cold for writing: the same hash since cold_after_s at least.
+                    since[rows], raw[rows] = self._history.look_up(part, k, now)
+                    cold = ~same & ~in_use & ~raw[rows] & (now - since[rows] >= cold_after_s)
+                    if cold.any():
+                        cold_parts.append(part[cold])
+                        yield part[cold], pages[cold]
+            drop = np.empty(0, dtype=np.int64)
+            encoded = np.empty(0, dtype=np.int64)
+            try:
+                t1 = time.perf_counter()
+                stored, enc_raw = self._encode(classify(), None)
+                encoded = np.concatenate(cold_parts) if cold_parts else encoded
+                st.encode_s = time.perf_counter() - t1
+                free = np.empty(0, dtype=np.int64)
+                if len(encoded):
+                    crash_point("after-encode")
+                    stored, free = self._commit(stored)
+                    self.sources.assign(stored, self._store_src)
+                    st.encoded_pages, st.stored_pages = len(encoded), len(stored)
+                    raw |= np.isin(idx, enc_raw)
+                same = np.concatenate(same_parts) if same_parts else np.empty(0, dtype=np.int64)
+                self.sources.assign(same, self._store_src)
+                drop = np.union1d(same, np.setdiff1d(encoded, enc_raw))
+                self._discard_copies(drop)
+                st.dropped_pages = len(drop)
+                self._settle(free, mapped=len(free) > 0)
+            except CompressCancelled:
+                # A resume or destroy asked first: nothing was dropped, every page is still
+                # resident; the store forgets what this trim encoded.
+                drop = np.empty(0, dtype=np.int64)
+                if st.encoded_pages:
+                    self.store.discard(self.name, encoded)
+                    self.sources.assign(encoded, self._unstored)
+                    self._settle(np.empty(0, dtype=np.int64), mapped=False)
+                st.encoded_pages = st.stored_pages = 0
+            kept = ~np.isin(idx, drop)
+            self._history.keep(idx[kept], key[kept], since[kept], raw[kept])
+            self.cold.note_dropped(drop)
+            # A prefetched page dropped unused by a tool call this long is not in this phase's
+            # working set: the next resume need not bring it back.
+            self._prefetched_idx = np.setdiff1d(self._prefetched_idx, drop, assume_unique=True)
             st.total_s = time.perf_counter() - t0
             return st
 
@@ -470,6 +556,7 @@ class SandboxMemory:
                     st.prefetch_mib_s = r.mib_s
                     st.decode_s, st.copy_s = r.decode_s, r.copy_s
             self.compressed = False
+            self._resumed_at = time.monotonic()
             st.total_s = time.perf_counter() - t0
             self.restore_s_total += st.total_s
             self.last_resume = st

@@ -16,11 +16,13 @@ from typing import Any
 from azqemu.daemon.accounting import Accounting
 from azqemu.daemon.lifecycle import Lifecycle
 from azqemu.daemon.registry import Registry
+from azqemu.daemon.states import State
 from azqemu.errors import ConfigError
 from azqemu.host.reclaim import pageout
 from azqemu.sched import policy as policy_mod
 from azqemu.sched.actions import SchedState
 from azqemu.sched.agent_channel import AgentMessage
+from azqemu.sched.policy import TRIM_EVERY_S
 from azqemu.virt.identity import vm_paths
 
 
@@ -42,6 +44,9 @@ class SchedService:
                 return
             if name not in self.reg.sched:
                 return
+            slot = self.reg.find_slot(name)
+            if slot is None or slot.state not in (State.RUNNING, State.COMPRESSED) or slot.destroy_requested:
+                return      # failed, or going: nothing for the scheduler to do
             self.lifecycle.compress_locked(name)
 
     def compress_and_run_on(self, name: str) -> None:
@@ -53,7 +58,9 @@ class SchedService:
     def trim_if_running(self, name: str) -> None:
         """Trim a sandbox that is still in a tool call (the scheduler's call)."""
         st = self.reg.sched.get(name)
-        if st is not None and st.tracker.current().phase == "tool":
+        mem = self.lifecycle.memory.get(name)
+        # Not due (its cold age is long: its dropped pages kept coming back): no pause at all.
+        if st is not None and st.tracker.current().phase == "tool" and mem is not None and mem.trim_due(TRIM_EVERY_S):
             self.lifecycle.trim(name)
 
     def pageout(self, name: str) -> None:
@@ -94,10 +101,10 @@ class SchedService:
         pol = policy_mod.get(policy)
         for n in names:
             rec = self.reg.record(n)
-            rec.policy = pol.name
+            fields: dict[str, object] = {"policy": pol.name}
             if grace_s is not None:
-                rec.grace_s = float(grace_s)
-            self.reg.sandboxes.save(rec)
+                fields["grace_s"] = float(grace_s)
+            rec = self.reg.update_record(n, **fields) or rec   # never over a state change
             self.reg.sched[n] = SchedState(pol, grace_s=rec.grace_s)
 
     def agent_sockets(self) -> dict[str, Path]:

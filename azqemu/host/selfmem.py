@@ -6,7 +6,7 @@ encode and decode buffers (its own, anonymous). ``self_memory`` splits its resid
 template pages for the manager's. ``trim_heap`` hands freed heap back to the kernel (glibc
 ``malloc_trim``: without it a process that once held a large buffer keeps it resident), and
 ``bound_heap_caching`` makes glibc serve large buffers by mmap, returned at free, whatever
-sizes it has seen before (no dynamic mmap threshold).
+sizes it has seen before (no dynamic mmap threshold), from at most two heaps for all threads.
 """
 
 from __future__ import annotations
@@ -17,10 +17,16 @@ import logging
 
 log = logging.getLogger(__name__)
 
-# glibc mallopt parameter (malloc.h)
+# glibc mallopt parameters (malloc.h)
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
 # Buffers from this size up are mmapped (and unmapped when freed).
 MMAP_THRESHOLD_BYTES = 1 << 20
+# glibc gives each thread that allocates its own heap ("arena", up to 8 per core) by default:
+# the manager's many fault-handler threads would each keep freed memory the others cannot
+# reuse (a 20 MiB arena held by one thread was seen). Python threads take turns under the GIL,
+# so two arenas cost no contention worth the name.
+ARENA_MAX = 2
 
 _STATUS_FIELDS = {"VmRSS": "rss_bytes", "RssAnon": "anon_bytes", "RssFile": "file_bytes",
                   "RssShmem": "shmem_bytes"}
@@ -64,6 +70,11 @@ def trim_heap() -> bool:
 
 
 def bound_heap_caching() -> None:
-    """Buffers of MMAP_THRESHOLD_BYTES and more by mmap, at a fixed threshold (glibc only)."""
-    if _LIBC is not None and not _LIBC.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES):
+    """Buffers of MMAP_THRESHOLD_BYTES and more by mmap, at a fixed threshold, and at most
+    ARENA_MAX malloc arenas (glibc only). Call it before the threads start."""
+    if _LIBC is None:
+        return
+    if not _LIBC.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES):
         log.debug("mallopt refused the mmap threshold")
+    if not _LIBC.mallopt(_M_ARENA_MAX, ARENA_MAX):
+        log.debug("mallopt refused the arena limit")

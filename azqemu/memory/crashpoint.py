@@ -14,6 +14,14 @@ Points (where they are, and what a restart must find):
     after-flush               sandboxmem: the generation naming the pages is durable, none dropped
     after-discard-batch       sandboxmem: after each punch run / DISCARD request to QEMU
     after-free-compact        store: a sandbox freed (and arenas compacted) in memory, not flushed
+    after-pause               lifecycle: state ``compressing`` recorded, vCPUs paused, nothing encoded
+  the resume path (a restart must find the sandbox ``compressed``, or ``running`` after the
+  last one, and serve every page):
+    before-prefetch           lifecycle: state ``resuming`` recorded, nothing put back yet
+    after-prefetch            lifecycle: the hot set copied into QEMU (UFFDIO_COPY), vCPUs paused
+    after-vcpu-resume         lifecycle: vCPUs continue, the record still says ``resuming``
+    after-reattach            memsvc: a restarted manager made the sandbox's page sources (stored
+                              pages assigned to the store), no fault served yet
 
 Fault injection, the same way: ``AZQ_FAIL_AT=<point>[@<n>][*<k>]`` makes ``fail_point`` raise
 the caller's error at the n-th hit and the k-1 hits after it (default: n=1, k=1). Points:
@@ -29,8 +37,12 @@ import os
 import signal
 from collections.abc import Callable
 
+# The store's and the compression's points (tests/unit/memory/test_crash_points.py tries each
+# on a simulated guest), and the daemon's lifecycle points (tests/integration/test_crash_compress.py,
+# on real guests).
 POINTS = ("after-encode", "between-generation-files", "after-commit", "after-reclaim", "after-flush",
           "after-discard-batch", "after-free-compact")
+LIFECYCLE_POINTS = ("after-pause", "before-prefetch", "after-prefetch", "after-vcpu-resume", "after-reattach")
 
 
 def _parse(spec: str | None) -> tuple[str | None, int]:

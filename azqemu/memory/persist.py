@@ -5,7 +5,8 @@ them is checked against the file's actual length before anything is allocated (F
 snapshot format is the model). A file without our magic or of another version is refused as
 ``StoreForeign``; a damaged one as ``StoreCorrupt``. Files are written whole to a temporary
 name, fsynced, then renamed into place (rename(2)); ``sync_dir`` makes the renames durable. A
-write that finds no room (ENOSPC, EDQUOT) raises ``StoreFull`` and leaves no temporary file.
+write that finds no room (ENOSPC, EDQUOT) raises ``StoreFull`` (azqemu.errors) and leaves no
+temporary file.
 
     store.azq    "AZQSTORE" | u32 version | u32 flags | u64 json_len | u64 bin_len | u64 xxh64(body)
                  body = JSON (ids, domains, templates, sandboxes, arenas) + binary (blob table,
@@ -28,7 +29,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from azqemu.errors import StoreCorrupt, StoreError, StoreForeign
+from azqemu.errors import StoreCorrupt, StoreForeign
+from azqemu.errors import StoreFull as StoreFull  # re-exported: it lives in errors.py's tree
 from azqemu.memory.kinds import ENTRY_DTYPE
 
 STORE_MAGIC = b"AZQSTORE"
@@ -40,15 +42,6 @@ MAX_JSON_BYTES = 64 << 20
 MAX_NAME_BYTES = 4096
 STORE_FILE = "store.azq"
 TMP_SUFFIX = ".tmp"
-
-
-class StoreFull(StoreError):
-    """The store's file system has no room (ENOSPC/EDQUOT) for ``what``: nothing was dropped,
-    the caller keeps its pages. (A StoreError; belongs in errors.py's tree beside StoreCorrupt.)"""
-
-    def __init__(self, path: str, what: str) -> None:
-        self.path, self.what = path, what
-        super().__init__(f"page store full at {path}: {what}")
 
 
 def is_no_space(err: OSError) -> bool:

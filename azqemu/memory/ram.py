@@ -219,6 +219,34 @@ def read_resident_pages(fd_or_path: int | str | os.PathLike[str],
     return idx, buf
 
 
+def resident_page_index(fd_or_path: int | str | os.PathLike[str]) -> np.ndarray:
+    """The indices of a RAM backing's resident pages (sorted), without reading them: a caller
+    that reads them in bounded chunks (``read_file_pages``) never holds them all at once."""
+    fd, owned = _open(fd_or_path)
+    try:
+        return _extent_pages(_page_extents(fd, None))
+    finally:
+        if owned:
+            os.close(fd)
+
+
+def read_file_pages(fd: int, page_idx: np.ndarray) -> np.ndarray:
+    """Pages ``page_idx`` (sorted) of a RAM backing: (n, 4096) uint8, holes read as zeros."""
+    idx = np.asarray(page_idx, dtype=np.int64)
+    pages = np.empty((len(idx), PAGE_SIZE), dtype=np.uint8)
+    if len(idx):
+        breaks = np.flatnonzero(np.diff(idx) != 1) + 1
+        starts = np.concatenate(([0], breaks))
+        ends = np.concatenate((breaks, [len(idx)]))
+        extents = [(int(idx[a]) << PAGE_SHIFT, int(b - a) << PAGE_SHIFT)
+                   for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
+        clipped = _clip_to_file(fd, extents)
+        if clipped != extents:
+            pages[-1] = 0
+        _read_extents_into(fd, clipped, pages)
+    return pages
+
+
 def read_resident_buffer(fd_or_path: int | str | os.PathLike[str], layout: RamLayout | None = None,
                          spare_rows: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Like read_resident_pages, into an array with ``spare_rows`` extra zero rows at the end

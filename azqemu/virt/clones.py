@@ -28,7 +28,15 @@ from azqemu.names import validate_name
 from azqemu.qmp import Monitor
 from azqemu.virt import domxml, ramfile
 from azqemu.virt.host import Domain, Host
-from azqemu.virt.identity import Identity, new_identity, prepare_vm_dir, remove_vm_dir
+from azqemu.virt.identity import (
+    Identity,
+    allocate_qemu_ids,
+    new_identity,
+    open_to_qemu_group,
+    prepare_vm_dir,
+    release_qemu_uid,
+    remove_vm_dir,
+)
 from azqemu.virt.templates import TemplateMeta, TemplateRepo
 
 log = logging.getLogger(__name__)
@@ -49,6 +57,9 @@ class SandboxRecord:
     clone_s: float = 0.0      # request -> guest agent answering
     policy: str = "manual"    # azqemu.sched.policy
     grace_s: float = 1.0      # LLM wait before the policy acts
+    state: str = "running"    # lifecycle state (azqemu/daemon/states.py), kept by the daemon
+    failed_reason: str | None = None   # why it is ``failed``
+    qemu_uid: int | None = None   # the uid its QEMU runs as (identity.allocate_qemu_ids)
 
 
 # Called with (domain, qemu pid, identity, template) while the clone is paused, before its
@@ -127,13 +138,17 @@ def clone_one(host: Host, tmpl: TemplateMeta, name: str, *, sharing_domain: str,
     if host.has_domain(name) or repo.path(name).exists():
         raise SandboxExists(name)
     t0 = time.monotonic()
-    ident = new_identity(name)
+    # Its own QEMU uid, one no other sandbox's record names (DAC isolation between QEMUs).
+    qemu_ids = allocate_qemu_ids(r.qemu_uid for r in repo.list() if r.qemu_uid is not None)
+    ident = new_identity(name, qemu=qemu_ids)
     if env and "AZQ_UFFD_SOCKET" in env:
         env = {**env, "AZQ_UFFD_SOCKET": str(ident.uffd_socket)}
     trepo = TemplateRepo()
     dom: Domain | None = None
     try:
         prepare_vm_dir(ident)
+        if ram_backing == "file-private" and qemu_ids is not None:
+            open_to_qemu_group(trepo.ram_path(tmpl.name))   # mapped by QEMUs of many uids
         spec = domxml.DomainSpec(
             ident=ident, mem_mib=tmpl.mem_mib, vcpus=tmpl.vcpus, kernel=Path(tmpl.kernel),
             initrd=Path(tmpl.initrd), rootfs=Path(tmpl.rootfs), cmdline=tmpl.cmdline,
@@ -159,7 +174,8 @@ def clone_one(host: Host, tmpl: TemplateMeta, name: str, *, sharing_domain: str,
             GuestAgent(name, dom.agent_command).wait_ready(AGENT_TIMEOUT_S)
         rec = SandboxRecord(name=name, template=tmpl.name, sharing_domain=sharing_domain,
                             ram_mode=ram_mode, uuid=ident.uuid, created_at=time.time(),
-                            clone_s=time.monotonic() - t0, policy=policy, grace_s=grace_s)
+                            clone_s=time.monotonic() - t0, policy=policy, grace_s=grace_s,
+                            qemu_uid=qemu_ids.uid if qemu_ids is not None else None)
         repo.save(rec)
         return rec
     except BaseException:
@@ -169,6 +185,9 @@ def clone_one(host: Host, tmpl: TemplateMeta, name: str, *, sharing_domain: str,
         remove_vm_dir(name)
         repo.remove(name)
         raise
+    finally:
+        if qemu_ids is not None:
+            release_qemu_uid(qemu_ids.uid)     # in the saved record now, or free again
 
 
 def destroy(host: Host, repo: SandboxRepo, name: str) -> None:

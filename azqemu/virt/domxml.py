@@ -7,6 +7,16 @@ device state, and the manager can read, punch and fill it through /proc/PID/fd. 
 monitor is a socket of our own (see ``azqemu.virt.qmp``), added with ``<qemu:commandline>``;
 libvirt marks such domains tainted ``custom-argv`` (and ``custom-monitor`` if QMP passthrough
 were used), which is expected.
+
+A domain whose identity carries its own QEMU ids (``Identity.qemu``) gets a static DAC label,
+``<seclabel type='static' model='dac' relabel='no'><label>+UID:+GID</label></seclabel>``:
+libvirt starts its QEMU as that uid (its own state directory goes to that uid too, and the
+sockets it makes it passes as file descriptors). ``relabel='no'``, because every domain
+shares the kernel, initrd and root file system: with ``relabel='yes'`` libvirt 9.0 chowns
+them to each new domain's uid and, with ``remember_owner`` on, refuses the second domain
+("Setting different DAC user or group on .../vmlinux which is already in use"). They are
+world-readable (image/build.py); what azqemu gives the domain (its socket directory, the
+template RAM image) it labels itself (identity.prepare_vm_dir, identity.open_to_qemu_group).
 """
 
 from __future__ import annotations
@@ -84,6 +94,8 @@ def build(spec: DomainSpec) -> str:
         qemu_args += ["-incoming", "defer"]
     cmdline = Q.commandline(*[Q.arg(value=a) for a in qemu_args],
                             *[Q.env(name=k, value=v) for k, v in sorted(spec.env.items())])
+    seclabel = ([E.seclabel(E.label(ident.qemu.label), type="static", model="dac", relabel="no")]
+                if ident.qemu is not None else [])
     dom = E.domain(
         E.name(ident.name),
         E.uuid(ident.uuid),
@@ -99,6 +111,7 @@ def build(spec: DomainSpec) -> str:
         E.clock(offset="utc"),
         E.on_poweroff("destroy"), E.on_reboot("destroy"), E.on_crash("destroy"),
         devices,
+        *seclabel,
         cmdline,
         type=spec.libvirt_type,
     )

@@ -19,9 +19,10 @@ import pytest
 TEMPLATE = "itest"
 
 
-def _run_azq(*args: str, timeout: float = 600, check: bool = False) -> subprocess.CompletedProcess[str]:
+def _run_azq(*args: str, timeout: float = 600, check: bool = False,
+             input_: str | None = None) -> subprocess.CompletedProcess[str]:
     r = subprocess.run([sys.executable, "-m", "azqemu", *args], capture_output=True, text=True,
-                       timeout=timeout)
+                       timeout=timeout, input=input_)
     if check and r.returncode != 0:
         raise AssertionError(f"azq {' '.join(args)} failed ({r.returncode}): {r.stderr}")
     return r
@@ -66,13 +67,13 @@ def daemon(azq_env: dict[str, str]) -> Iterator[object]:
     try:
         yield holder
     finally:
-        from azqemu.daemon.client import Client
+        from azqemu.client import Client
         from azqemu.errors import AzqemuError
 
         try:
-            for s in Client().call("list"):
+            for s in Client().list_sandboxes():
                 try:
-                    Client().call("destroy", name=s["name"])
+                    Client().destroy(s.name)
                 except AzqemuError:
                     pass
         except AzqemuError:
@@ -82,9 +83,9 @@ def daemon(azq_env: dict[str, str]) -> Iterator[object]:
 
 @pytest.fixture(scope="session")
 def template(daemon: object) -> str:
-    from azqemu.daemon.client import Client
+    from azqemu.client import Client
 
-    Client().call("template_create", name=TEMPLATE, mem_mib=512, vcpus=1,
+    Client().template_create(TEMPLATE, mem_mib=512, vcpus=1,
                   warmup=["cd /workspace/* && python3 -m unittest -q"])
     return TEMPLATE
 

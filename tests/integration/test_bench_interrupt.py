@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from azqemu.daemon.client import Client
+from azqemu.client import Client
 from azqemu.host.linuxmm import HostSnapshot
 
 pytestmark = [pytest.mark.vm, pytest.mark.root]
-WORKLOAD = Path(__file__).parent / "data" / "deterministic.yaml"
+WORKLOAD = Path(__file__).parent / "data" / "interruptible.yaml"
 STOP_WITHIN_S = 20.0
 
 
@@ -47,6 +47,6 @@ def test_a_signal_stops_the_benchmark_and_leaves_nothing(daemon: object, sig: in
         raise AssertionError(f"the benchmark ignored {signal.Signals(sig).name} for {STOP_WITHIN_S} s") from None
     stopped_s = time.monotonic() - t0
     assert rc != 0
-    assert [s["name"] for s in Client().call("list") if s["name"].startswith("azq-d-")] == []
+    assert [s.name for s in Client().list_sandboxes() if s.name.startswith("azq-d-")] == []
     assert HostSnapshot.take().diff(before) == []
     print(f"\n{signal.Signals(sig).name} under {policy}: stopped and cleaned up in {stopped_s:.1f} s")

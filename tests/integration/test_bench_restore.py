@@ -12,7 +12,7 @@ import json
 import pytest
 
 from azqemu.bench.restore_bench import CLONE_PREFIX
-from azqemu.daemon.client import Client
+from azqemu.client import Client
 from azqemu.host.doctor import restore_mode
 
 pytestmark = [pytest.mark.vm, pytest.mark.root, pytest.mark.uffd]
@@ -52,7 +52,7 @@ def test_bench_restore_json_contract_and_consistent_figures(azq, template: str) 
     assert res["handler_errors"] == 0
     assert set(res["targets_met"]) >= {"fault_service_us.median", "prefetch_mib_s", "resume_s"}
     # Everything the benchmark made is gone.
-    assert not [s["name"] for s in Client().call("list") if s["name"].startswith(CLONE_PREFIX)]
+    assert not [s.name for s in Client().list_sandboxes() if s.name.startswith(CLONE_PREFIX)]
 
 
 def test_bench_restore_table(azq, template: str) -> None:
@@ -64,8 +64,12 @@ def test_bench_restore_table(azq, template: str) -> None:
 
 
 def test_bench_restore_refuses_a_working_set_larger_than_the_guest(azq, template: str) -> None:
-    r = azq("bench", "restore", "--hot-mib", "100000", "--template", template, "--json")
+    r = azq("bench", "restore", "--hot-mib", "100000", "--template", template)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
         f"azq: --hot-mib 100000 out of range for template '{template}' (512 MiB guest): 1-256"]
-    assert not [s["name"] for s in Client().call("list") if s["name"].startswith(CLONE_PREFIX)]
+    r = azq("bench", "restore", "--hot-mib", "100000", "--template", template, "--json")   # the error as JSON
+    assert r.returncode == 2 and r.stderr == ""
+    err = json.loads(r.stdout)["error"]
+    assert (err["type"], err["exit_code"]) == ("ConfigError", 2) and err["message"].startswith("--hot-mib 100000")
+    assert not [s.name for s in Client().list_sandboxes() if s.name.startswith(CLONE_PREFIX)]

@@ -1,6 +1,6 @@
-"""The manager killed (SIGKILL) at a crash point of a compression, with a real guest: the next
-manager serves every page the guest lost, the guest's md5 and its checker agree, and the next
-compression works (docs/memory.md, "Crash consistency").
+"""The manager killed (SIGKILL) at a crash point of a compression or a resume, with a real
+guest: the next manager serves every page the guest lost, the guest's md5 and its checker
+agree, and the next compression works (docs/memory.md, "Crash consistency").
 
 The daemon is restarted with ``AZQ_CRASH_AT`` (azqemu/memory/crashpoint.py) set, asked to
 compress, dies at the point, and is started again without it.
@@ -8,14 +8,17 @@ compress, dies at the point, and is started again without it.
 
 from __future__ import annotations
 
-import os
 import signal
 
 import pytest
 
+from azqemu.client import Client
 from azqemu.daemon import proc as daemonproc
-from azqemu.daemon.client import Client
-from azqemu.errors import AzqemuError, RemoteError
+from azqemu.errors import AzqemuError
+from azqemu.memory.persist import StoreFull
+from tests.support.daemonctl import restart as _restart
+from tests.support.daemonctl import start as _start
+from tests.support.daemonctl import start_dying
 from tests.support.guest import needs_lazy_restore, sh, start_checker, wait_rounds
 
 pytestmark = [pytest.mark.vm, pytest.mark.root, pytest.mark.uffd]
@@ -24,29 +27,6 @@ pytestmark = [pytest.mark.vm, pytest.mark.root, pytest.mark.uffd]
 @pytest.fixture(autouse=True)
 def _needs_lazy() -> None:
     needs_lazy_restore()
-
-
-def _restart(daemon: dict, crash_at: str | None = None, fail_at: str | None = None) -> None:
-    daemonproc.stop(daemon["proc"])
-    for var, value in (("AZQ_CRASH_AT", crash_at), ("AZQ_FAIL_AT", fail_at)):
-        if value:
-            os.environ[var] = value
-    try:
-        daemon["proc"] = _start()
-    finally:
-        os.environ.pop("AZQ_CRASH_AT", None)
-        os.environ.pop("AZQ_FAIL_AT", None)
-
-
-def _start() -> object:
-    from azqemu import config as config_mod
-    from azqemu.errors import DaemonError
-
-    try:
-        return daemonproc.start()
-    except DaemonError as exc:
-        log = (config_mod.load().run_dir / "daemon.log").read_text()[-4000:]
-        raise AssertionError(f"{exc}\n{log}") from exc
 
 
 # Fresh anonymous memory in the guest: the kernel hands out freed pages, which init_on_free
@@ -79,14 +59,14 @@ def _md5_ok(name: str) -> None:
 def test_manager_killed_during_compress_loses_no_page(template: str, daemon: dict, ram_mode: str,
                                                       point: str) -> None:
     c = Client()
-    (rec,) = c.call("clone", template=template, count=1, name_prefix=f"crash{ram_mode}-", ram_mode=ram_mode)
-    name = rec["name"]
+    (rec,) = c.clone(template=template, count=1, name_prefix=f"crash{ram_mode}-", ram_mode=ram_mode)
+    name = rec.name
     try:
         code, _ = sh(name, "head -c 20000000 /dev/urandom > /tmp/blob; md5sum /tmp/blob > /tmp/blob.md5")
         assert code == 0
         start_checker(name, 24, "c")
         rounds = wait_rounds(name, "c", 0)
-        c.call("compress", name=name)            # a generation before the one that crashes
+        c.compress(name=name)            # a generation before the one that crashes
         _md5_ok(name)                            # exec resumes it
         rounds = wait_rounds(name, "c", rounds)
 
@@ -98,22 +78,22 @@ def test_manager_killed_during_compress_loses_no_page(template: str, daemon: dic
         assert code == 0
         _restart(daemon, point)
         with pytest.raises(AzqemuError):
-            c.call("compress", name=name)
+            c.compress(name=name)
         assert daemon["proc"].wait(60) == -signal.SIGKILL
 
         daemon["proc"] = _start()
-        c.call("resume", name=name, prefetch=False)      # every lost page comes by a fault
+        c.resume(name=name, prefetch=False)      # every lost page comes by a fault
         _fresh_pages_zero(name)
         _md5_ok(name)
         rounds = wait_rounds(name, "c", rounds, timeout_s=180)
-        st = c.call("compress", name=name)       # the next compression works
-        assert st["stored_pages"] > 0 and not st["cancelled"]
+        st = c.compress(name=name)       # the next compression works
+        assert st.stored_pages > 0 and not st.cancelled
         _md5_ok(name)
         wait_rounds(name, "c", rounds, timeout_s=180)
     finally:
         if not daemonproc.running():
             daemon["proc"] = _start()
-        c.call("destroy", name=name)
+        c.destroy(name=name)
 
 
 @pytest.mark.parametrize("ram_mode", ["lazy", "cow"])
@@ -123,30 +103,98 @@ def test_store_full_at_commit_abandons_the_compression(template: str, daemon: di
     included, is tests/unit/memory/test_store_durability.py's): the compression fails before
     anything is dropped, the guest keeps every page and the next compression works."""
     c = Client()
-    (rec,) = c.call("clone", template=template, count=1, name_prefix=f"full{ram_mode}-", ram_mode=ram_mode)
-    name = rec["name"]
+    (rec,) = c.clone(template=template, count=1, name_prefix=f"full{ram_mode}-", ram_mode=ram_mode)
+    name = rec.name
     try:
         code, _ = sh(name, "head -c 20000000 /dev/urandom > /tmp/blob; md5sum /tmp/blob > /tmp/blob.md5")
         assert code == 0
         start_checker(name, 24, "f")
         rounds = wait_rounds(name, "f", 0)
-        c.call("compress", name=name)
+        c.compress(name=name)
         _md5_ok(name)
         rounds = wait_rounds(name, "f", rounds)
         _restart(daemon, fail_at="flush-before-drop")
-        with pytest.raises(RemoteError) as err:
-            c.call("compress", name=name)
-        assert err.value.error_type == "StoreFull", err.value
-        c.call("resume", name=name, prefetch=False)
+        with pytest.raises(StoreFull) as err:
+            c.compress(name=name)
+        assert err.value.path, err.value
+        c.resume(name=name, prefetch=False)
         _fresh_pages_zero(name)
         _md5_ok(name)
         rounds = wait_rounds(name, "f", rounds, timeout_s=180)
-        st = c.call("compress", name=name)
-        assert st["stored_pages"] > 0 and not st["cancelled"]
+        st = c.compress(name=name)
+        assert st.stored_pages > 0 and not st.cancelled
         _md5_ok(name)
         wait_rounds(name, "f", rounds, timeout_s=180)
     finally:
         if not daemonproc.running():
             daemon["proc"] = _start()
-        c.call("destroy", name=name)
+        c.destroy(name=name)
         _restart(daemon)            # without AZQ_FAIL_AT for the tests after this one
+
+
+# -- the resume path ---------------------------------------------------------------------
+# (ram mode, point, state the restarted daemon reports before the test resumes it)
+RESUME_POINTS = [
+    ("lazy", "after-prefetch", "compressed"), ("cow", "after-prefetch", "compressed"),
+    ("eager", "before-prefetch", "compressed"), ("lazy", "after-vcpu-resume", "running"),
+    ("cow", "after-reattach", "compressed"), ("lazy", "after-reattach", "compressed"),
+    ("eager", "after-pause", "compressed")]
+
+
+@pytest.mark.parametrize(("ram_mode", "point", "state_after"), RESUME_POINTS)
+def test_manager_killed_during_resume_loses_no_page(template: str, daemon: dict, ram_mode: str, point: str,
+                                                    state_after: str) -> None:
+    """Kill -9 the manager on the resume path (after the hot set is back, after the vCPUs
+    continue, while a restarted manager reassigns the stored pages to their sources) or right
+    after a compression paused the vCPUs: the next manager reports the sandbox ``compressed``
+    (or ``running``), serves every page, the guest's md5 and checker agree, and the sandbox
+    compresses and resumes again."""
+    c = Client()
+    (rec,) = c.clone(template=template, count=1, name_prefix=f"rcrash{ram_mode}-", ram_mode=ram_mode)
+    name = rec.name
+    try:
+        code, _ = sh(name, "head -c 20000000 /dev/urandom > /tmp/blob; md5sum /tmp/blob > /tmp/blob.md5")
+        assert code == 0
+        start_checker(name, 24, "r")
+        rounds = wait_rounds(name, "r", 0)
+        c.compress(name=name)
+        _md5_ok(name)                            # exec resumes it: the hot set is known
+        rounds = wait_rounds(name, "r", rounds)
+        if point != "after-pause":
+            c.compress(name=name)
+            assert c.dominfo(name).state == "compressed"
+
+        if point == "after-reattach":
+            # The restarted manager dies while it takes the sandbox's memory back.
+            daemonproc.stop(daemon["proc"])
+            assert start_dying(point) == -signal.SIGKILL
+        else:
+            _restart(daemon, point)
+            with pytest.raises(AzqemuError):
+                if point == "after-pause":
+                    c.compress(name=name)
+                else:
+                    c.resume(name=name, prefetch=True)
+            assert daemon["proc"].wait(60) == -signal.SIGKILL
+
+        daemon["proc"] = _start()
+        info = c.dominfo(name)
+        assert (info.state, info.failed_reason) == (state_after, None), info
+        if state_after == "compressed":
+            assert info.domain_state == "paused"
+            _md5_ok(name)                        # exec resumes a compressed sandbox itself
+        else:
+            c.resume(name=name, prefetch=False)
+            _md5_ok(name)
+        _fresh_pages_zero(name)
+        rounds = wait_rounds(name, "r", rounds, timeout_s=180)
+        st = c.compress(name=name)       # the next compression works
+        assert st.stored_pages > 0 and not st.cancelled
+        c.resume(name=name, prefetch=True)
+        _md5_ok(name)
+        wait_rounds(name, "r", rounds, timeout_s=180)
+        assert c.dominfo(name).state == "running"
+    finally:
+        if not daemonproc.running():
+            daemon["proc"] = _start()
+        c.destroy(name=name)

@@ -13,7 +13,7 @@ import pytest
 
 from azqemu.bench import density
 from azqemu.bench.workload import load
-from azqemu.daemon.client import Client
+from azqemu.client import Client
 from azqemu.host.linuxmm import HostSnapshot
 
 # No uffd marker: without userfaultfd the agentzip policies restore eagerly (copy).
@@ -38,5 +38,5 @@ def test_every_policy_runs_and_guest_results_are_identical(daemon: object) -> No
         assert result["policies"][name]["compress_s_total"] > 0, name
         assert result["policies"][name]["owned_bytes_avg"] < result["policies"]["none"]["owned_bytes_avg"]
     # Nothing left behind: no sandbox, and the host's swap/KSM/zram settings as they were.
-    assert Client().call("list") == []
+    assert Client().list_sandboxes() == []
     assert HostSnapshot.take().diff(before) == []

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from azqemu.client import Client
+from azqemu.daemon import coldrule
 from azqemu.daemon import proc as daemonproc
-from azqemu.daemon.client import Client
 from tests.support.guest import needs_lazy_restore, sh, start_checker, wait_rounds
 
 pytestmark = [pytest.mark.vm, pytest.mark.root, pytest.mark.uffd]
@@ -31,58 +32,82 @@ def _needs_lazy() -> None:
 @pytest.mark.parametrize("ram_mode", ["lazy", "cow"])
 def test_twenty_compress_resume_cycles_keep_guest_memory_exact(template: str, ram_mode: str) -> None:
     c = Client()
-    (rec,) = c.call("clone", template=template, count=1, name_prefix=f"cyc{ram_mode}-", ram_mode=ram_mode)
-    name = rec["name"]
+    (rec,) = c.clone(template=template, count=1, name_prefix=f"cyc{ram_mode}-", ram_mode=ram_mode)
+    name = rec.name
     try:
         code, _ = sh(name, "head -c 20000000 /dev/urandom > /tmp/blob; md5sum /tmp/blob > /tmp/blob.md5")
         assert code == 0
         start_checker(name, 24, "a")
         rounds = wait_rounds(name, "a", 0)
         for cycle in range(20):
-            st = c.call("compress", name=name)
-            assert st["stored_pages"] > 0 and not st["cancelled"]
-            assert c.call("dominfo", name=name)["state"] == "paused"
+            st = c.compress(name=name)
+            assert st.stored_pages > 0 and not st.cancelled
+            info = c.dominfo(name)
+            assert (info.state, info.domain_state) == ("compressed", "paused")   # lifecycle, libvirt
             if cycle % 2:
-                c.call("resume", name=name, prefetch=cycle % 4 == 1)
+                c.resume(name=name, prefetch=cycle % 4 == 1)
             # Even cycles: exec resumes the compressed sandbox transparently.
             code, out = sh(name, "md5sum -c /tmp/blob.md5")
             assert code == 0, f"cycle {cycle}: {out}"
             rounds = wait_rounds(name, "a", rounds)
     finally:
-        c.call("destroy", name=name)
+        c.destroy(name=name)
 
 
 def test_trim_in_a_tool_call_and_unchanged_pages_keep_guest_memory_exact(template: str) -> None:
     """A copy-on-write sandbox resumed with its hot set is trimmed while a guest program keeps
     changing and verifying its buffer: copies equal to their stored entries are dropped and
-    served again on their next touch, changed ones stay; the next compression encodes only
+    served again on their next touch, pages written in the tool call and unchanged since the
+    last trim are encoded and dropped, changed ones stay; the next compression encodes only
     what changed. The guest never sees a wrong byte."""
     c = Client()
-    (rec,) = c.call("clone", template=template, count=1, name_prefix="trim-", ram_mode="cow")
-    name = rec["name"]
+    (rec,) = c.clone(template=template, count=1, name_prefix="trim-", ram_mode="cow")
+    name = rec.name
     try:
         code, _ = sh(name, "head -c 16000000 /dev/urandom > /tmp/blob; md5sum /tmp/blob > /tmp/blob.md5")
         assert code == 0
-        start_checker(name, 16, "t")
+        # A small buffer: the checker reads all of it every round, and dropped pages that
+        # come back that often would (rightly) make the trim's rule wait longer.
+        start_checker(name, 2, "t")
         rounds = wait_rounds(name, "t", 0)
-        dropped, unchanged = 0, 0
+        dropped, unchanged, encoded = 0, 0, 0
+        files = "/tmp/blob.md5 /tmp/cold*.md5"
         for cycle in range(6):
-            st = c.call("compress", name=name)
-            unchanged += st["unchanged_pages"]
-            c.call("resume", name=name, prefetch=True)
+            st = c.compress(name=name)
+            unchanged += st.unchanged_pages
+            c.resume(name=name, prefetch=True)
             rounds = wait_rounds(name, "t", rounds)
+            # Written in the tool call and left alone: encoded and dropped by the second trim.
+            code, _ = sh(name, f"head -c 3000000 /dev/urandom | base64 > /tmp/cold{cycle}; "
+                               f"md5sum /tmp/cold{cycle} > /tmp/cold{cycle}.md5")
+            assert code == 0
             for _ in range(2):
-                t = c.call("trim", name=name)
-                assert t is not None and t["dropped_pages"] <= t["resident_pages"]
-                dropped += t["dropped_pages"]
+                time.sleep(coldrule.AFTER_MIN_S + 0.5)   # left alone long enough to be cold
+                t = c.trim(name=name)
+                assert t is not None and t.dropped_pages <= t.resident_pages
+                assert t.stored_pages <= t.encoded_pages and t.stored_pages <= t.dropped_pages
+                dropped += t.dropped_pages
+                encoded += t.encoded_pages
                 rounds = wait_rounds(name, "t", rounds)
-                code, out = sh(name, "md5sum -c /tmp/blob.md5")
-                assert code == 0, f"cycle {cycle}: {out}"
+            code, out = sh(name, f"md5sum -c {files}")   # every dropped page back, exact
+            assert code == 0, f"cycle {cycle}: {out}"
         assert dropped > 1000, dropped          # the blob's pages at least, after each resume
         assert unchanged > 1000, unchanged      # re-compressions skipped the pages left as stored
-        assert c.call("dominfo", name=name)["state"] == "running"
+        assert encoded > 6 * 900, encoded       # each cold file's ~990 pages
+        # Pages a trim dropped that the tool call reads again make the rule wait longer.
+        c.compress(name=name)
+        c.resume(name=name, prefetch=True)
+        time.sleep(t.cold_after_s + 0.5)   # the rule as the last trim left it
+        first = c.trim(name=name)
+        assert first is not None and first.dropped_pages >= coldrule.JUDGE_PAGES, first
+        code, out = sh(name, f"md5sum -c {files}")
+        assert code == 0, out
+        time.sleep(coldrule.AFTER_MIN_S + 0.5)
+        second = c.trim(name=name)
+        assert second is not None and second.cold_after_s > first.cold_after_s, (first, second)
+        assert c.dominfo(name).state == "running"
     finally:
-        c.call("destroy", name=name)
+        c.destroy(name=name)
 
 
 @pytest.mark.parametrize("ram_mode", ["lazy", "cow"])
@@ -90,58 +115,58 @@ def test_clone_rewrites_template_pages(template: str, ram_mode: str) -> None:
     """A clone reads template pages on first touch (lazy: copied in; copy-on-write: mapped
     from the template's page cache); its own writes win over them after a compression."""
     c = Client()
-    rows = c.call("clone", template=template, count=2, name_prefix=f"rw{ram_mode}-", ram_mode=ram_mode)
+    rows = c.clone(template=template, count=2, name_prefix=f"rw{ram_mode}-", ram_mode=ram_mode)
     try:
         for r in rows:
-            n = r["name"]
+            n = r.name
             # Rewrite memory the template had filled (page cache of the workspace, python).
             code, out = sh(n, f"cd /workspace/* && sed -i 's/def /def  /' *.py */*.py 2>/dev/null; "
                               f"python3 -m unittest -q 2>&1 | tail -1; echo {n} > /tmp/who")
             assert code == 0
         for r in rows:
-            c.call("compress", name=r["name"])
+            c.compress(name=r.name)
         for r in rows:
-            n = r["name"]
+            n = r.name
             assert sh(n, "cat /tmp/who") == (0, n)
             code, out = sh(n, "cd /workspace/* && python3 -m unittest -q 2>&1 | tail -1")
             assert out == "OK", out
     finally:
         for r in rows:
-            c.call("destroy", name=r["name"])
+            c.destroy(name=r.name)
 
 
 @pytest.fixture(scope="module")
 def template_2vcpu(daemon: object) -> str:
-    Client().call("template_create", name="itest2", mem_mib=384, vcpus=2)
+    Client().template_create(name="itest2", mem_mib=384, vcpus=2)
     return "itest2"
 
 
 def test_two_vcpus_fault_at_once(template_2vcpu: str) -> None:
     c = Client()
-    (rec,) = c.call("clone", template=template_2vcpu, count=1, name_prefix="smp-", ram_mode="lazy")
-    name = rec["name"]
+    (rec,) = c.clone(template=template_2vcpu, count=1, name_prefix="smp-", ram_mode="lazy")
+    name = rec.name
     try:
         assert sh(name, "nproc") == (0, "2")
         start_checker(name, 16, "x")
         start_checker(name, 16, "y")
         rx, ry = wait_rounds(name, "x", 0), wait_rounds(name, "y", 0)
         for _ in range(5):
-            c.call("compress", name=name)
-            c.call("resume", name=name, prefetch=False)  # every page faults, from both vCPUs
+            c.compress(name=name)
+            c.resume(name=name, prefetch=False)  # every page faults, from both vCPUs
             rx, ry = wait_rounds(name, "x", rx), wait_rounds(name, "y", ry)
     finally:
-        c.call("destroy", name=name)
+        c.destroy(name=name)
 
 
 def test_manager_killed_while_compressed_guest_waits_then_finishes(template: str, daemon: dict) -> None:
     c = Client()
-    (rec,) = c.call("clone", template=template, count=1, name_prefix="kill-", ram_mode="lazy")
-    name = rec["name"]
+    (rec,) = c.clone(template=template, count=1, name_prefix="kill-", ram_mode="lazy")
+    name = rec.name
     try:
         start_checker(name, 24, "k")
         rounds = wait_rounds(name, "k", 0)
-        c.call("compress", name=name)
-        c.call("resume", name=name, prefetch=False)
+        c.compress(name=name)
+        c.resume(name=name, prefetch=False)
         os.kill(daemon["proc"].pid, signal.SIGKILL)
         daemon["proc"].wait()
         # Nobody serves faults now: the guest must stall, not run on with zero pages.
@@ -155,7 +180,7 @@ def test_manager_killed_while_compressed_guest_waits_then_finishes(template: str
         assert after > rounds
         assert sh(name, "echo alive") == (0, "alive")
     finally:
-        c.call("destroy", name=name)
+        c.destroy(name=name)
 
 
 def _cpu_ticks(pid: int) -> int:

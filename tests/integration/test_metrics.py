@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from azqemu.client import Client
 from azqemu.daemon import proc as daemonproc
-from azqemu.daemon.client import Client
 from azqemu.host.doctor import restore_mode
 from tests.support import services
 
@@ -58,14 +58,14 @@ def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 def test_metrics_pass_promtool_and_prometheus_sees_stored_bytes(metrics_addr: str, template: str) -> None:
     c = Client()
-    (rec,) = c.call("clone", template=template, count=1, name_prefix="metrics-", ram_mode="lazy")
-    name = rec["name"]
+    (rec,) = c.clone(template=template, count=1, name_prefix="metrics-", ram_mode="lazy")
+    name = rec.name
     work = Path(tempfile.mkdtemp(prefix="azq-metrics-"))
     try:
-        r = c.call("exec", name=name, argv=["/bin/sh", "-c", "head -c 8M /dev/urandom > /dev/shm/x; echo ok"])
-        assert r["exit_code"] == 0
-        st = c.call("compress", name=name)
-        assert st["stored_bytes"] > 0
+        r = c.exec(name=name, argv=["/bin/sh", "-c", "head -c 8M /dev/urandom > /dev/shm/x; echo ok"])
+        assert r.exit_code == 0
+        st = c.compress(name=name)
+        assert st.stored_bytes > 0
         text = scrape(metrics_addr)
         (work / "metrics.txt").write_text(text)
         check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True,
@@ -90,8 +90,8 @@ def test_metrics_pass_promtool_and_prometheus_sees_stored_bytes(metrics_addr: st
             assert result, "Prometheus never scraped the daemon"
             assert float(result[0]["value"][1]) > 0
             # Resume: the restore histogram and the fault service histogram move.
-            c.call("resume", name=name)
-            assert c.call("exec", name=name, argv=["/bin/sh", "-c", "md5sum /dev/shm/x"])["exit_code"] == 0
+            c.resume(name=name)
+            assert c.exec(name=name, argv=["/bin/sh", "-c", "md5sum /dev/shm/x"]).exit_code == 0
             deadline = time.monotonic() + 30
             restored: list[dict] = []
             while time.monotonic() < deadline and not restored:
@@ -100,5 +100,5 @@ def test_metrics_pass_promtool_and_prometheus_sees_stored_bytes(metrics_addr: st
             assert restored, "no restore observed"
         assert samples(scrape(metrics_addr))["azqemu_fault_service_seconds_count", ()] > 0
     finally:
-        c.call("destroy", name=name)
+        c.destroy(name=name)
         shutil.rmtree(work, ignore_errors=True)

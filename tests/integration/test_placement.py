@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from azqemu.daemon.client import Client
+from azqemu.client import Client
 from azqemu.host.procfs import read_meminfo
 from azqemu.units import MIB
 from tests.support import services
@@ -50,7 +50,7 @@ def test_capacity_and_placement_sync(template: str, azq, placement_url: str, azq
                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AZQ_CAPACITY_RESERVE", "300M")
     c = Client()
-    (rec,) = c.call("clone", template=template, count=1, name_prefix="cap-")
+    (rec,) = c.clone(template=template, count=1, name_prefix="cap-")
     try:
         r = azq("capacity", "--json", "--template", template)
         assert r.returncode == 0, r.stderr
@@ -93,7 +93,7 @@ def test_capacity_and_placement_sync(template: str, azq, placement_url: str, azq
         assert inv2["inventories"]["VCPU"]["total"] == 2  # left alone
         assert len(get(f"{placement_url}/resource_providers")["resource_providers"]) == 1
     finally:
-        c.call("destroy", name=rec["name"])
+        c.destroy(name=rec.name)
 
 
 def test_placement_sync_bad_url_is_one_line(template: str, azq) -> None:

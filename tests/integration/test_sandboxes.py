@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from azqemu import config as config_mod
+from azqemu.client import Client
 from azqemu.daemon import proc as daemonproc
-from azqemu.daemon.client import Client
 
 # Every test needs root (the azq_env fixture); all but the last start guests.
 pytestmark = pytest.mark.root
@@ -69,7 +69,7 @@ def test_daemon_restart_keeps_sandboxes(template: str, daemon: dict, azq) -> Non
     azq("exec", "keep-0", "--", "/bin/sh", "-c", "echo kept > /tmp/mark", check=True)
     daemonproc.stop(daemon["proc"])
     daemon["proc"] = daemonproc.start()
-    names = [s["name"] for s in Client().call("list")]
+    names = [s.name for s in Client().list_sandboxes()]
     assert "keep-0" in names
     assert azq("exec", "keep-0", "--", "cat", "/tmp/mark").stdout.strip() == "kept"
     azq("destroy", "keep-0", check=True)
@@ -83,20 +83,21 @@ def test_bad_inputs_are_one_line_and_leave_nothing(template: str, azq) -> None:
         assert len(lines) == 1 and text in lines[0], r.stderr
 
     one_line(azq("clone", "no-such-template"), 1, "unknown template 'no-such-template'")
-    one_line(azq("exec", "no-such-sandbox", "--", "true"), 1, "unknown sandbox 'no-such-sandbox'")
+    # azq exec keeps its own codes apart from the command's (README.md): 125 azqemu failed.
+    one_line(azq("exec", "no-such-sandbox", "--", "true"), 125, "unknown sandbox 'no-such-sandbox'")
     one_line(azq("destroy", "no-such-sandbox"), 1, "unknown sandbox 'no-such-sandbox'")
     azq("clone", template, "-n", "1", "--name-prefix", "dup-", check=True)
     before = _domains()
     cfg = config_mod.load()
     # Duplicate name: the existing sandbox is untouched, nothing new appears.
-    from azqemu.errors import RemoteError
+    from azqemu.errors import SandboxExists
 
-    with pytest.raises(RemoteError, match="already exists"):
-        Client().call("clone", template=template, names=["dup-0"])
+    with pytest.raises(SandboxExists, match="already exists"):
+        Client().clone(template=template, names=["dup-0"])
     assert _domains() == before
     one_line(azq("template", "delete", template), 1, "still has 1 clone(s): dup-0")
-    one_line(azq("exec", "dup-0", "--", "/no/such/cmd"), 1, "cannot run '/no/such/cmd' in 'dup-0'")
-    one_line(azq("exec", "dup-0", "--timeout", "1", "--", "sleep", "30"), 1,
+    one_line(azq("exec", "dup-0", "--", "/no/such/cmd"), 127, "cannot run '/no/such/cmd' in 'dup-0'")
+    one_line(azq("exec", "dup-0", "--timeout", "1", "--", "sleep", "30"), 124,
              "did not finish 'sleep' within 1 s")
     azq("destroy", "dup-0", check=True)
     assert not (cfg.sandboxes_dir / "dup-0.json").exists()

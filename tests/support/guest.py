@@ -4,13 +4,12 @@ byte. Shared by the memory-correctness tests (lazy memory, crash points)."""
 
 from __future__ import annotations
 
-import base64
 import time
 from pathlib import Path
 
 import pytest
 
-from azqemu.daemon.client import Client
+from azqemu.client import Client
 
 CHECKER = (Path(__file__).parents[1] / "integration" / "guest_checker.py").read_text()
 
@@ -25,13 +24,13 @@ def needs_lazy_restore() -> None:
 
 
 def sh(name: str, cmd: str, timeout_s: float = 120) -> tuple[int, str]:
-    r = Client().call("exec", name=name, argv=["/bin/sh", "-c", cmd], timeout_s=timeout_s)
-    return r["exit_code"], base64.b64decode(r["stdout_b64"]).decode().strip()
+    r = Client().exec(name=name, argv=["/bin/sh", "-c", cmd], timeout_s=timeout_s)
+    return r.exit_code, r.stdout.decode().strip()
 
 
 def start_checker(name: str, size_mib: int, tag: str) -> None:
-    Client().call("exec", name=name, argv=["/bin/sh", "-c", "cat > /tmp/checker.py"],
-                  stdin_b64=base64.b64encode(CHECKER.encode()).decode())
+    Client().exec(name=name, argv=["/bin/sh", "-c", "cat > /tmp/checker.py"],
+                  stdin=CHECKER.encode())
     code, _ = sh(name, f"nohup python3 /tmp/checker.py {size_mib} /tmp/st-{tag} {name}-{tag} "
                        f">/dev/null 2>&1 & sleep 0.5; echo started")
     assert code == 0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import io
 import json
 import math
@@ -106,11 +105,6 @@ def test_ratios_on_host_cost_with_owned_beside() -> None:
     assert report.ratios(res)["azqemu"]["ratio_vs_none"] is None
 
 
-def test_compare_nightly_across_the_host_cost_change() -> None:
-    # An older result (owned only) against a new one (host cost): ratios compared on owned.
-    assert report.compare_nightly(synthetic(), with_host_cost(synthetic())) == []
-
-
 def test_rich_table_prints() -> None:
     buf = io.StringIO()
     report.print_table(synthetic(), console=Console(file=buf, width=200, color_system=None))
@@ -165,45 +159,3 @@ def test_bad_results_are_refused(mutate, message: str) -> None:
     assert str(exc.value) == message
 
 
-def test_compare_nightly_same_is_clean() -> None:
-    assert report.compare_nightly(synthetic(), synthetic()) == []
-
-
-def test_compare_nightly_flags_regressions() -> None:
-    prev = synthetic(with_extras=False)
-    cur = copy.deepcopy(prev)
-    cur["policies"]["azqemu"]["owned_bytes_avg"] = int(128 * 1.25 * MIB)      # 25% more memory
-    cur["policies"]["linux"]["tool_latency_s"]["p95"] *= 1.5                  # 50% slower tail
-    cur["policies"]["none"]["owned_bytes_peak"] += MIB // 2                    # below the 1 MiB floor
-    cur["policies"]["azqemu"]["compress_s_total"] *= 3                        # not a nightly metric
-    del cur["policies"]["none-cow"]
-    regs = report.compare_nightly(prev, cur, tolerance=0.10)
-    got = {(r.policy, r.metric) for r in regs}
-    assert ("azqemu", "owned_bytes_avg") in got
-    assert ("azqemu", "ratio_vs_none") in got                # the ratio fell with it
-    assert ("linux", "tool_latency_s.p95") in got
-    assert ("none-cow", "policy") in got
-    assert ("none", "owned_bytes_peak") not in got
-    assert all(r.metric != "compress_s_total" for r in regs)
-    reg = next(r for r in regs if (r.policy, r.metric) == ("azqemu", "owned_bytes_avg"))
-    assert reg.change == pytest.approx(0.25)
-    assert str(reg) == f"azqemu: owned_bytes_avg {128 * MIB:g} -> {int(160 * MIB):g} (+25% worse)"
-    # Improvements are never regressions.
-    better = copy.deepcopy(prev)
-    better["policies"]["azqemu"]["owned_bytes_avg"] = 64 * MIB
-    assert report.compare_nightly(prev, better) == []
-
-
-def test_compare_nightly_per_metric_tolerance() -> None:
-    prev = synthetic(with_extras=False)
-    cur = copy.deepcopy(prev)
-    cur["policies"]["linux"]["tool_latency_s"]["median"] *= 1.3
-    assert report.compare_nightly(prev, cur, tolerance={"tool_latency_s.median": 0.5, "*": 0.1}) == []
-    assert [r.metric for r in report.compare_nightly(prev, cur, tolerance=0.1)] == ["tool_latency_s.median"]
-
-
-def test_compare_nightly_refuses_different_runs() -> None:
-    prev, cur = synthetic(with_extras=False), synthetic(with_extras=False)
-    cur["sandboxes"] = 16
-    with pytest.raises(ConfigError, match=r"^cannot compare density results: sandboxes 8 vs 16$"):
-        report.compare_nightly(prev, cur)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from azqemu.api.models import Template
 from azqemu.bench import density
 from azqemu.bench.workload import load
 
@@ -14,21 +15,22 @@ class _Image:
 
 
 class _Daemon:
-    """The two template operations the benchmark uses, on a dict."""
+    """The three template operations of the client (azqemu.client) the benchmark uses, on a dict."""
 
     def __init__(self, templates: dict[str, int]) -> None:
         self.templates = templates          # name -> clones
         self.calls: list[tuple[str, str]] = []
 
-    def call(self, op: str, **args: Any) -> Any:
-        if op == "template_list":
-            return [{"name": n, "clones": k} for n, k in self.templates.items()]
-        self.calls.append((op, args["name"]))
-        if op == "template_create":
-            self.templates[args["name"]] = 0
-        elif op == "template_delete":
-            del self.templates[args["name"]]
-        return {}
+    def template_list(self) -> list[Template]:
+        return [Template(name=n, mem_mib=512, vcpus=1, clones=k) for n, k in self.templates.items()]
+
+    def template_create(self, name: str, **_kw: Any) -> None:
+        self.calls.append(("template_create", name))
+        self.templates[name] = 0
+
+    def template_delete(self, name: str) -> None:
+        self.calls.append(("template_delete", name))
+        del self.templates[name]
 
 
 def test_template_is_remade_for_a_new_image_and_the_old_one_goes(monkeypatch) -> None:

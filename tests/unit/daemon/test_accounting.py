@@ -114,7 +114,9 @@ def test_list_and_dominfo_describe_state_memory_and_machine(mgr: Manager, host: 
     host.doms["m0"].suspend()
     host.doms.pop("m0")  # the domain vanished after the manager started
     rows = {r["name"]: r for r in mgr.op_list()}
-    assert (rows["m0"]["state"], rows["m0"]["qemu_pid"], rows["m0"]["resident_bytes"]) == ("gone", None, None)
+    assert (rows["m0"]["domain_state"], rows["m0"]["qemu_pid"], rows["m0"]["resident_bytes"]) == \
+        ("gone", None, None)
+    assert (rows["m0"]["state"], rows["m0"]["failed_reason"]) == ("running", None)   # lifecycle: as recorded
     assert (rows["m1"]["state"], rows["m1"]["resident_bytes"], rows["m1"]["stored_bytes"],
             rows["m1"]["compressed"]) == ("running", 20 * PAGE, 2000, True)
     assert rows["down"]["resident_bytes"] is None  # no QEMU pid

@@ -11,6 +11,7 @@ import pytest
 from azqemu.daemon.lifecycle import Lifecycle
 from azqemu.daemon.memsvc import MemoryService
 from azqemu.daemon.registry import Registry
+from azqemu.daemon.states import State
 from azqemu.errors import ConfigError, DomainStateError, SandboxExists, SandboxNotFound, VirtError
 from azqemu.sched import policy as policy_mod
 from azqemu.sched.actions import SchedState
@@ -119,7 +120,7 @@ def test_bad_requests_are_refused_with_the_exact_error(life: Lifecycle, template
 def test_destroy_forgets_everything_of_the_sandbox(life: Lifecycle, registry: Registry, host: Any,
                                                    template: TemplateMeta) -> None:
     life.clone_batch("base", names=["d-0"])
-    registry.paused_by_azq.add("d-0")
+    registry.settle("d-0", State.COMPRESSED)
     life.destroy("d-0")
     assert "d-0" not in host.doms
     assert "d-0" not in registry.sched and "d-0" not in registry.paused_by_azq
@@ -156,7 +157,7 @@ def test_resume_continues_a_sandbox_azqemu_paused_and_clears_its_mark(
         life: Lifecycle, registry: Registry, host: Any, template: TemplateMeta) -> None:
     life.clone_batch("base", names=["r-0"])
     host.doms["r-0"].suspend()
-    registry.paused_by_azq.add("r-0")
+    registry.settle("r-0", State.COMPRESSED)
     out = life.resume("r-0")
     assert host.doms["r-0"].state() == "running"
     assert "r-0" not in registry.paused_by_azq

@@ -10,7 +10,7 @@ from typing import Any
 from azqemu.daemon.manager import Manager
 from azqemu.virt.identity import new_identity, vm_paths
 
-# op -> its arguments (name, default); these are the wire protocol (daemon/protocol.py).
+# op -> its arguments (name, default); the /v1 routes call them by these names (azqemu/api/app.py).
 OPS: dict[str, list[tuple[str, Any]]] = {
     "ping": [],
     "template_create": [("name", inspect.Parameter.empty), ("mem_mib", 512), ("vcpus", 1), ("warmup", None)],

@@ -32,8 +32,8 @@ class RecordingMemory(MemoryService):
         return name in self.compressed_names
 
 
-def _record(name: str, policy: str = "manual", grace_s: float = 1.0) -> SandboxRecord:
-    return SandboxRecord(name, "base", "default", "eager", "u", 0.0, policy=policy, grace_s=grace_s)
+def _record(name: str, policy: str = "manual", grace_s: float = 1.0, state: str = "running") -> SandboxRecord:
+    return SandboxRecord(name, "base", "default", "eager", "u", 0.0, policy=policy, grace_s=grace_s, state=state)
 
 
 def test_records_follow_libvirt(registry: Registry, memory: MemoryService, host: Any, cfg: Any,
@@ -71,8 +71,8 @@ def test_lazy_clones_get_their_memory_back_and_compressed_ones_stay_azqemus(
         template: TemplateMeta) -> None:
     host.add("lazy", sandbox_meta_of(ram_mode="lazy", sharing_domain="t1"), state="paused")
     host.add("eager", sandbox_meta_of(), state="paused")
-    for n in ("lazy", "eager"):
-        registry.sandboxes.save(_record(n))
+    registry.sandboxes.save(_record("lazy", state="compressed"))
+    registry.sandboxes.save(_record("eager"))
     mem = RecordingMemory(memory, compressed_names={"lazy"})
 
     reconcile(registry, mem)
@@ -81,6 +81,8 @@ def test_lazy_clones_get_their_memory_back_and_compressed_ones_stay_azqemus(
     # Paused and compressed: azqemu paused it, a tool call resumes it. The eager one was
     # paused by its user and stays so.
     assert registry.paused_by_azq == {"lazy"}
+    assert registry.state_of("lazy") == ("compressed", None) and registry.state_of("eager") == ("running", None)
+    assert registry.slot("eager").user_paused
 
 
 def test_a_second_reconcile_changes_nothing(registry: Registry, memory: MemoryService, host: Any,

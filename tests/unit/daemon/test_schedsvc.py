@@ -12,6 +12,7 @@ from azqemu.daemon.lifecycle import Lifecycle
 from azqemu.daemon.memsvc import MemoryService
 from azqemu.daemon.registry import Registry
 from azqemu.daemon.schedsvc import SchedService
+from azqemu.daemon.states import State
 from azqemu.errors import ConfigError, SandboxNotFound
 from azqemu.sched import policy as policy_mod
 from azqemu.sched.actions import SchedState
@@ -54,7 +55,7 @@ def test_compress_if_idle_skips_a_sandbox_no_longer_scheduled(svc: SchedService,
 
 def test_tool_hint_resumes_a_sandbox_azqemu_paused(svc: SchedService, registry: Registry, host: Any) -> None:
     host.doms["s0"].suspend()
-    registry.paused_by_azq.add("s0")
+    registry.settle("s0", State.COMPRESSED)
     host.doms["s1"].suspend()  # paused by its user: a hint does not resume it
     out = svc.phase("s0", "tool")
     assert out["name"] == "s0" and out["phase"] == "tool" and "resume_s" in out

@@ -1,0 +1,244 @@
+"""The API's request and response models (pydantic v2), shared by the daemon and the client.
+
+Requests are strict: a field of the wrong JSON type, an unknown field, NaN or infinity is a
+``RequestInvalid`` (422) before anything runs; the values themselves (names, ranges) are then
+checked by ``azqemu.daemon.requests``, the same checks for every route (``ConfigError``, 400).
+Responses name the fields every client may rely on and keep any others the daemon adds
+(``extra="allow"``): a new field in ``azq list`` reaches ``--json`` without a change here.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# The values of ``requests`` are the daemon's: these defaults mirror the manager's ``op_*``.
+DEFAULT_EXEC_TIMEOUT_S = 300.0
+DEFAULT_GRACE_S = 1.0
+
+
+class Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+class Response(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    def as_json(self) -> dict[str, Any]:
+        """Every field, the extra ones included, as JSON values (``--json`` output)."""
+        return self.model_dump(mode="json")
+
+
+# -- requests --------------------------------------------------------------------------
+class TemplateCreate(Request):
+    name: str = Field(description="Template name: 1-64 of A-Z a-z 0-9 . _ - (not starting with . or -)")
+    mem_mib: int = Field(512, description="Guest memory in MiB (64 or more)")
+    vcpus: int = 1
+    warmup: list[str] = Field(default_factory=list, description="Shell commands run in the guest before saving")
+
+
+class CloneRequest(Request):
+    template: str
+    count: int = Field(1, description="How many clones (ignored when names are given)")
+    name_prefix: str | None = Field(None, description="Clone names are PREFIX0, PREFIX1, ... (default TEMPLATE-)")
+    sharing_domain: str = "default"
+    names: list[str] | None = None
+    ram_mode: Literal["eager", "lazy", "cow"] | None = None
+    policy: str = "manual"
+    grace_s: float = DEFAULT_GRACE_S
+    labels: dict[str, str] = Field(default_factory=dict, description="The orchestrator's key/value pairs")
+    ttl_s: float | None = Field(None, description="Destroy each clone this many seconds from now")
+
+
+class SandboxUpdate(Request):
+    labels: dict[str, str] | None = Field(None, description="Labels to set (merged; an empty value removes one)")
+    replace_labels: bool = Field(False, description="Replace every label instead of merging")
+    ttl_s: float | None = Field(None, description="A new time to live, from now")
+
+
+class ExecRequest(Request):
+    argv: list[str] = Field(description="The command and its arguments (no shell unless you run one)")
+    timeout_s: float = DEFAULT_EXEC_TIMEOUT_S
+    stdin_b64: str | None = Field(None, description="Standard input, base64")
+
+
+class PhaseRequest(Request):
+    phase: str = Field(description="'wait' (the agent waits for its LLM) or 'tool' (a tool call comes)")
+
+
+class ResumeRequest(Request):
+    prefetch: bool = Field(True, description="Put the hot set back before the vCPUs continue")
+
+
+class PolicyRequest(Request):
+    names: list[str]
+    policy: str
+    grace_s: float | None = None
+    pressure_budget_bytes: int | None = None
+
+
+# -- responses -------------------------------------------------------------------------
+class Ping(Response):
+    pid: int
+    started_at: float
+    sandboxes: int
+    version: str = ""
+    api: str = ""
+
+
+class Template(Response):
+    name: str
+    mem_mib: int
+    vcpus: int
+    accel: str = ""
+    warmup: list[str] = Field(default_factory=list)
+    devstate_bytes: int = 0
+    ram_data_bytes: int = 0
+    boot_s: float = 0.0
+    create_s: float = 0.0
+    created_at: float = 0.0
+    clones: int | None = Field(None, description="Sandboxes cloned from it (listings only)")
+
+
+class Sandbox(Response):
+    """A sandbox's record (what a clone returns)."""
+
+    name: str
+    template: str
+    sharing_domain: str
+    ram_mode: str
+    uuid: str
+    created_at: float
+    clone_s: float = 0.0
+    policy: str = "manual"
+    grace_s: float = DEFAULT_GRACE_S
+
+
+class SandboxInfo(Sandbox):
+    """One row of ``azq list``: the record, the domain's state and the memory it holds."""
+
+    state: str
+    qemu_pid: int | None = None
+    resident_bytes: int | None = None
+    stored_bytes: int | None = 0
+    compressed: bool = False
+    labels: dict[str, str] = Field(default_factory=dict)
+    expires_at: float | None = Field(None, description="Unix time its time to live ends (destroyed then)")
+
+
+class DomInfo(SandboxInfo):
+    """``SandboxInfo`` and the template's machine, the manager's memory (extra fields)."""
+
+
+class ExecResult(Response):
+    exit_code: int
+    stdout_b64: str
+    stderr_b64: str
+    duration_s: float
+    resume_s: float = 0.0
+    prefetched_pages: int = 0
+
+    @property
+    def stdout(self) -> bytes:
+        return base64.b64decode(self.stdout_b64)
+
+    @property
+    def stderr(self) -> bytes:
+        return base64.b64decode(self.stderr_b64)
+
+
+class FileWritten(Response):
+    name: str
+    path: str
+    size_bytes: int
+
+
+class ResumeResult(Response):
+    resume_s: float
+    prefetched_pages: int = 0
+    prefetch_s: float = 0.0
+
+
+class PhaseResult(Response):
+    name: str
+    phase: str
+    resume_s: float | None = Field(None, description="Set when a 'tool' hint resumed a compressed sandbox")
+
+
+class CompressResult(Response):
+    name: str
+    resident_pages: int
+    stored_pages: int
+    raw_pages: int
+    pages: dict[str, int]
+    bytes: dict[str, int]
+    total_s: float
+    cancelled: bool
+    stored_bytes: int
+    resident_bytes: int | None = None
+
+
+class TrimResult(Response):
+    cold_after_s: float = 0.0
+    resident_pages: int = 0
+    dropped_pages: int = 0
+    encoded_pages: int = 0
+    stored_pages: int = 0
+    encode_s: float = 0.0
+    total_s: float = 0.0
+
+
+class OwnedRow(Response):
+    """A sandbox's figures, or (only) ``name`` and ``error``: why they could not be read."""
+
+    name: str
+    owned_bytes: int = 0
+    resident_bytes: int = 0
+    stored_bytes: int = 0
+    qemu_own_bytes: int = 0
+
+
+class Owned(Response):
+    sandboxes: dict[str, OwnedRow]
+    store_bytes: int
+    store_live_bytes: int
+    manager_rss_bytes: int
+    manager_memory: dict[str, Any] = Field(default_factory=dict)
+
+
+class MemStats(Response):
+    """Restore figures of one sandbox (``azq bench restore``); fields as the memory service gives them."""
+
+    name: str
+    compressed: bool
+
+
+class Event(Response):
+    time: float
+    sandbox: str
+    event: str
+    detail: str
+
+
+class ErrorInfo(BaseModel):
+    type: str = Field(description="The error's class name (azqemu.errors and the modules named by module)")
+    message: str
+    exit_code: int = Field(description="What azq exits with for this error")
+    fields: dict[str, Any] = Field(default_factory=dict, description="The error's own fields (name, path, ...)")
+    module: str = Field("azqemu.errors", description="Where the class is defined")
+
+
+class ErrorBody(BaseModel):
+    error: ErrorInfo
+
+
+class Job(Response):
+    id: str
+    kind: str
+    state: Literal["running", "succeeded", "failed"]
+    created_at: float
+    finished_at: float | None = None
+    result: Any = None
+    error: ErrorInfo | None = None

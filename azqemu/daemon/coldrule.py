@@ -1,0 +1,84 @@
+"""When a page of a running sandbox counts as cold: the trim's rule, adapted to the sandbox.
+
+A trim (SandboxMemory.trim) drops copies a tool call has left alone for ``after_s``. Whether a
+dropped page was still read shows only afterwards, by its fault (this kernel has no idle-page
+bits to ask first): each such fault is a round trip to the manager while a vCPU waits. So the
+rule follows what the sandbox's dropped pages did: when more than ``REFAULT_HIGH`` of them
+came back, a page must be left alone twice as long before it counts as cold; below
+``REFAULT_LOW`` half as long; between the two the rule holds. A tool call that reads its heap
+again and again ends with few trims that cost it faults; one that writes build trees and logs
+and moves on gets its pages compressed within seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+AFTER_MIN_S = 2.0
+AFTER_MAX_S = 64.0
+REFAULT_HIGH = 0.25
+REFAULT_LOW = 0.05
+# Drops it takes to judge: fewer say little about a working set.
+JUDGE_PAGES = 256
+
+
+@dataclass
+class ColdRule:
+    after_s: float = AFTER_MIN_S
+    judged: int = 0                      # judgements made (for reports)
+    last_refault: float = 0.0            # the share of dropped pages that came back, last judged
+    _dropped: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+
+    def note_dropped(self, pages: np.ndarray) -> None:
+        """Pages a trim dropped (page indices)."""
+        self._dropped = np.union1d(self._dropped, np.asarray(pages, dtype=np.int64))
+
+    def judge(self, faulted: np.ndarray) -> float:
+        """Given the pages that faulted since the drops were noted, adapt ``after_s`` and
+        start a new window; returns ``after_s``."""
+        if len(self._dropped) < JUDGE_PAGES:
+            return self.after_s
+        back = float(np.isin(self._dropped, faulted).mean())
+        if back > REFAULT_HIGH:
+            self.after_s = min(AFTER_MAX_S, self.after_s * 2)
+        elif back < REFAULT_LOW:
+            self.after_s = max(AFTER_MIN_S, self.after_s / 2)
+        self.last_refault = back
+        self.judged += 1
+        self._dropped = np.empty(0, dtype=np.int64)
+        return self.after_s
+
+    def forget_drops(self) -> None:
+        """A compression starts a new fault record: drops noted before it cannot be judged."""
+        self._dropped = np.empty(0, dtype=np.int64)
+
+
+@dataclass
+class CopyHistory:
+    """What the last trim saw of each copy it kept: its hash, since when the copy has had it
+    (monotonic s), and whether it came out incompressible (RAW: left resident, not tried
+    again while the hash holds). Rows sorted by page index."""
+
+    idx: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    key: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.uint64))
+    since: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.float64))
+    raw: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=bool))
+
+    def look_up(self, idx: np.ndarray, key: np.ndarray, now: float) -> tuple[np.ndarray, np.ndarray]:
+        """For copies ``idx`` (sorted) with hashes ``key`` now: since when each has had that
+        hash (``now`` if it changed or is new) and whether it was RAW with it."""
+        pos = np.searchsorted(self.idx, idx)
+        seen = pos < len(self.idx)
+        seen[seen] = self.idx[pos[seen]] == idx[seen]
+        unchanged = seen.copy()
+        unchanged[seen] = self.key[pos[seen]] == key[seen]
+        since = np.full(len(idx), now)
+        since[unchanged] = self.since[pos[unchanged]]
+        raw = unchanged.copy()
+        raw[unchanged] = self.raw[pos[unchanged]]
+        return since, raw
+
+    def keep(self, idx: np.ndarray, key: np.ndarray, since: np.ndarray, raw: np.ndarray) -> None:
+        self.idx, self.key, self.since, self.raw = idx, key, since, raw

@@ -1,0 +1,53 @@
+"""Reading the pages a sandbox holds of its own, in bounded chunks.
+
+A copy-on-write clone's own pages are the anonymous copies in QEMU's private mapping of the
+template image (told apart through /proc/PID/pagemap, read with process_vm_readv); a lazy or
+eager clone's are the data extents of its RAM memfd (read with preadv). Compress and trim
+read them ``CHUNK_PAGES`` at a time, so the manager never holds more of a sandbox's bytes than
+that whatever the sandbox holds (the encoder's work buffers follow the chunk, too).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from azqemu.host.pagemap import private_pages, read_pages
+from azqemu.memory.ram import read_file_pages, resident_page_index
+from azqemu.pages import PAGE_SIZE
+
+CHUNK_PAGES = 2048   # 8 MiB
+
+
+@dataclass(frozen=True)
+class RamScan:
+    pid: int              # QEMU (copy-on-write: the mapping's process)
+    hva: int              # where the guest RAM block is mapped in QEMU
+    page_count: int
+    ram_fd: int           # the RAM memfd (lazy and eager clones), -1 for copy-on-write
+    cow: bool
+
+    def index(self) -> np.ndarray:
+        """The pages held of the sandbox's own (sorted): copies, or the memfd's data."""
+        if self.cow:
+            return private_pages(self.pid, self.hva, self.page_count)
+        idx = resident_page_index(self.ram_fd)
+        return idx[idx < self.page_count]
+
+    def chunks(self, idx: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(indices, pages) of ``idx``, CHUNK_PAGES at a time."""
+        for start in range(0, len(idx), CHUNK_PAGES):
+            part = idx[start:start + CHUNK_PAGES]
+            if self.cow:
+                yield part, read_pages(self.pid, self.hva, part)
+            else:
+                yield part, read_file_pages(self.ram_fd, part)
+
+    def resident_bytes(self) -> int:
+        """Guest RAM held for this sandbox alone."""
+        if self.cow:
+            return len(private_pages(self.pid, self.hva, self.page_count)) * PAGE_SIZE
+        return os.fstat(self.ram_fd).st_blocks * 512

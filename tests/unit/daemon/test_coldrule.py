@@ -1,0 +1,41 @@
+"""The trim's coldness rule follows what the dropped pages did."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from azqemu.daemon import coldrule
+from azqemu.daemon.coldrule import ColdRule
+
+
+def test_pages_that_come_back_make_the_rule_wait_longer() -> None:
+    r = ColdRule()
+    r.note_dropped(np.arange(1000))
+    assert r.judge(np.arange(500)) == 2 * coldrule.AFTER_MIN_S      # half came back
+    r.note_dropped(np.arange(1000, 2000))
+    assert r.judge(np.arange(1000, 1400)) == 4 * coldrule.AFTER_MIN_S
+    r.note_dropped(np.arange(2000, 3000))
+    assert r.judge(np.arange(2000, 2100)) == 4 * coldrule.AFTER_MIN_S  # 10%: holds
+    r.note_dropped(np.arange(3000, 4000))
+    assert r.judge(np.arange(3000, 3010)) == 2 * coldrule.AFTER_MIN_S  # 1%: shorter again
+    assert r.judged == 4 and r.last_refault == 0.01
+
+
+def test_too_few_drops_are_not_judged_and_a_compression_forgets_them() -> None:
+    r = ColdRule()
+    r.note_dropped(np.arange(coldrule.JUDGE_PAGES - 1))
+    assert r.judge(np.arange(coldrule.JUDGE_PAGES)) == coldrule.AFTER_MIN_S and r.judged == 0
+    r.forget_drops()
+    r.note_dropped(np.arange(10))
+    assert r.judge(np.arange(10)) == coldrule.AFTER_MIN_S and r.judged == 0
+
+
+@given(st.lists(st.floats(0, 1), max_size=40))
+def test_the_rule_stays_within_its_bounds(shares: list[float]) -> None:
+    r = ColdRule()
+    for share in shares:
+        r.note_dropped(np.arange(1000))
+        r.judge(np.arange(int(share * 1000)))
+        assert coldrule.AFTER_MIN_S <= r.after_s <= coldrule.AFTER_MAX_S
