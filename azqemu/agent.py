@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from azqemu.errors import AgentError, AgentTimeout, ExecError, VirtError
+from azqemu.errors import AgentError, AgentTimeout, DomainNotFound, DomainStateError, ExecError, VirtError
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,8 @@ class GuestAgent:
             try:
                 self.ping(timeout_s=max(1, min(5, int(deadline - time.monotonic()) or 1)))
                 return time.monotonic() - start
+            except (DomainNotFound, DomainStateError):
+                raise      # the domain is gone (destroyed meanwhile): no agent will answer
             except (AgentError, VirtError) as exc:
                 last = str(exc)
             if time.monotonic() > deadline:

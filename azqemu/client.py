@@ -275,6 +275,9 @@ class Client:
         r = self._request("POST", f"/sandboxes/{_name(name)}/trim")
         return None if r is None else m.TrimResult.model_validate(r)
 
+    def domstats(self, name: str) -> m.DomStats:
+        return m.DomStats.model_validate(self._request("GET", f"/sandboxes/{_name(name)}/domstats"))
+
     def memstats(self, name: str, reset: bool = False) -> m.MemStats:
         return m.MemStats.model_validate(self._request("GET", f"/sandboxes/{_name(name)}/memstats",
                                                        params={"reset": "true" if reset else None}))

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_LOG_DIR = "/var/log/azqemu"
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,12 @@ class Config:
     image_cache_dir: Path    # built guest images, keyed by recipe content
     libvirt_uri: str
     shm_dir: Path            # page-store arenas (tmpfs)
+    log_dir: Path = Path(DEFAULT_LOG_DIR)   # the daemon's log, whatever starts it
+
+    @property
+    def daemon_log(self) -> Path:
+        """The daemon's one log file (``azq daemon``, daemon/proc.py and systemd alike)."""
+        return self.log_dir / "daemon.log"
 
     @property
     def daemon_socket(self) -> Path:
@@ -46,4 +53,5 @@ def load() -> Config:
         image_cache_dir=Path(env("AZQ_IMAGE_CACHE", "/var/cache/azqemu/images")),
         libvirt_uri=env("AZQ_LIBVIRT_URI", "qemu:///system"),
         shm_dir=Path(env("AZQ_SHM_DIR", "/dev/shm/azqemu")),
+        log_dir=Path(env("AZQ_LOG_DIR", DEFAULT_LOG_DIR)),
     )

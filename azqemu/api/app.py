@@ -82,6 +82,13 @@ def make_app(manager: Any, jobs: Jobs | None = None, tags: SandboxTags | None = 
     app.state.manager = manager
     app.state.jobs = jobs
     app.state.tags = tags
+    if hasattr(manager, "labels_of"):   # labels go into the domains' <metadata> too
+        manager.labels_of = lambda name: tags.get(name)["labels"]
+
+    def labels_changed(name: str) -> None:
+        meta = getattr(manager, "metadata", None)
+        if meta is not None:
+            meta.request(name)
 
     @app.exception_handler(AzqemuError)
     async def _azq(_req: Request, exc: AzqemuError) -> JSONResponse:
@@ -208,6 +215,7 @@ def make_app(manager: Any, jobs: Jobs | None = None, tags: SandboxTags | None = 
         rows = call("clone", **kw)
         for r in rows:
             tags.assign(r["name"], labels, ttl_s)
+            labels_changed(r["name"])
         return [dict(r, **tags.get(r["name"])) for r in rows]
 
     @app.get(f"{PREFIX}/sandboxes/{{name}}", response_model=models.DomInfo, tags=[SANDBOX], responses=ERRORS)
@@ -219,6 +227,7 @@ def make_app(manager: Any, jobs: Jobs | None = None, tags: SandboxTags | None = 
         """Set labels (merged, or replaced) and a new time to live from now."""
         info = call("dominfo", name=name)   # SandboxNotFound first
         tags.assign(name, req.labels, req.ttl_s, replace=req.replace_labels)
+        labels_changed(name)
         return dict(info, **tags.get(name))
 
     @app.delete(f"{PREFIX}/sandboxes/{{name}}", status_code=204, tags=[SANDBOX], responses=ERRORS)
@@ -297,6 +306,12 @@ def make_app(manager: Any, jobs: Jobs | None = None, tags: SandboxTags | None = 
     def trim(name: str) -> Any:
         """Drop the copies a running sandbox holds that equal their stored entries (null: nothing to trim)."""
         return call("trim", name=name)
+
+    @app.get(f"{PREFIX}/sandboxes/{{name}}/domstats", response_model=models.DomStats, tags=[SANDBOX],
+             responses=ERRORS)
+    def domstats(name: str) -> Any:
+        """State, phase, owned/resident/stored bytes, fault and compress/restore counters."""
+        return call("domstats", name=name)
 
     @app.get(f"{PREFIX}/sandboxes/{{name}}/memstats", response_model=models.MemStats, tags=[SANDBOX],
              responses=ERRORS)

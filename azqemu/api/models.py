@@ -208,6 +208,30 @@ class Owned(Response):
     manager_memory: dict[str, Any] = Field(default_factory=dict)
 
 
+class DomStats(Response):
+    """One sandbox's figures (``azq domstats``, in the manner of ``virsh domstats``)."""
+
+    name: str
+    state: str = Field(description="Lifecycle state: running, compressed, failed ...")
+    failed_reason: str | None = None
+    domain_state: str = Field(description="The domain's state as libvirt says it (gone: no domain)")
+    policy: str
+    ram_mode: str
+    phase: str | None = Field(None, description="tool, wait or unknown (None: not scheduled)")
+    compressed: bool
+    owned_bytes: int
+    resident_bytes: int
+    stored_bytes: int
+    qemu_own_bytes: int
+    faults: int = Field(description="Page faults the manager's handler read (cumulative)")
+    faults_served: int
+    fault_errors: int = Field(description="Faults left waiting because no content existed")
+    compress_count: int = Field(description="Compressions that finished since the daemon started")
+    restore_count: int = Field(description="Resumes of a compressed sandbox since the daemon started")
+    compress_s_total: float
+    restore_s_total: float
+
+
 class MemStats(Response):
     """Restore figures of one sandbox (``azq bench restore``); fields as the memory service gives them."""
 

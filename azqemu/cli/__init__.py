@@ -20,6 +20,7 @@ import click
 
 from azqemu import __version__
 from azqemu.cli import output
+from azqemu.daemon.logsetup import LOG_FORMAT
 from azqemu.errors import AzqemuError
 
 # command name -> "module:attribute"; each module owns its commands.
@@ -37,6 +38,7 @@ COMMANDS: dict[str, str] = {
     "phase": "azqemu.cli.sandbox_cmds:phase",
     "list": "azqemu.cli.sandbox_cmds:list_",
     "dominfo": "azqemu.cli.sandbox_cmds:dominfo",
+    "domstats": "azqemu.cli.sandbox_cmds:domstats",
     "daemon": "azqemu.cli.daemon_cmds:daemon",
     "job": "azqemu.cli.sandbox_cmds:job",
     "tag": "azqemu.cli.sandbox_cmds:tag",
@@ -78,8 +80,10 @@ def _setup_logging(verbose: bool) -> None:
         pass
     if verbose:
         handlers.append(logging.StreamHandler(sys.stderr))
+    # force: whatever a library (or an earlier call) attached to the root logger must not
+    # make basicConfig a silent no-op (it was: the daemon's INFO lines went nowhere).
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, handlers=handlers,
-                        format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
+                        format=LOG_FORMAT, force=True)
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -92,7 +96,6 @@ def cli(verbose: bool) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the CLI, turning every failure into one line and an exit code."""
-    logging.getLogger().addHandler(logging.NullHandler())
     try:
         cli.main(args=argv, prog_name="azq", standalone_mode=False)
     except click.exceptions.Exit as exc:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-import sys
 import time
 
 import click
@@ -14,7 +12,8 @@ from azqemu.cli.output import emit, json_option
 @click.group(invoke_without_command=True)
 @click.pass_context
 def daemon(ctx: click.Context) -> None:
-    """Run the manager daemon in the foreground (the /v1 API on /run/azqemu/azqemu.sock)."""
+    """Run the manager daemon in the foreground (the /v1 API on /run/azqemu/azqemu.sock;
+    its log: $AZQ_LOG_DIR/daemon.log, default /var/log/azqemu/daemon.log)."""
     if ctx.invoked_subcommand is None:
         _serve()
 
@@ -26,9 +25,10 @@ def daemon_run() -> None:
 
 
 def _serve() -> None:
+    from azqemu.daemon.logsetup import log_to_daemon_log
     from azqemu.daemon.server import serve
 
-    logging.getLogger().addHandler(logging.StreamHandler(sys.stderr))
+    log_to_daemon_log()
     serve()
 
 

@@ -362,6 +362,22 @@ def dominfo(name: str, as_json: bool) -> None:
         click.echo(f"{k + ':':16} {_shown(v)}")
 
 
+@click.command()
+@click.argument("name")
+@json_option
+def domstats(name: str, as_json: bool) -> None:
+    """Per-sandbox statistics, as virsh domstats prints them: state, phase, owned, resident
+    and stored bytes, page faults, compress and restore counters (bytes in plain numbers)."""
+    stats = Client().domstats(name)
+    if as_json:
+        emit(stats)
+        return
+    click.echo(f"Domain: '{stats.name}'")
+    for k, v in stats.as_json().items():
+        if k != "name":
+            click.echo(f"  {k}={'' if v is None else v}")
+
+
 def _shown(v: Any) -> str:
     if isinstance(v, dict):
         return ", ".join(f"{k}={fmt_bytes(x) if k.endswith('_bytes') and isinstance(x, int) else x}"

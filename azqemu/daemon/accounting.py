@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import asdict
-from typing import Any
+from typing import Any, cast
 
 import psutil
 
@@ -146,6 +146,34 @@ class Accounting:
         value = memacct.qemu_own_bytes(procfs.read_smaps_rollup(pid), vma)
         self._qemu_own_cache[name] = (pid, now, value)
         return value
+
+    def domstats(self, name: str) -> dict[str, Any]:
+        """``azq domstats``: one sandbox's figures in one row, as ``virsh domstats`` gives a
+        domain's: its state and phase, owned/resident/stored bytes, the fault handler's
+        counters, and how often and how long it was compressed and restored."""
+        rec = self.reg.record(name)
+        state, reason = self.reg.state_of(name)
+        try:
+            domain_state = self.reg.host.get_domain(name).state()
+        except DomainNotFound:
+            domain_state = "gone"
+        st = self.reg.sched.get(name)
+        out: dict[str, Any] = {"name": name, "state": state, "failed_reason": reason,
+                               "domain_state": domain_state, "policy": rec.policy, "ram_mode": rec.ram_mode,
+                               "phase": st.tracker.current().phase if st is not None else None}
+        own = self.owned(name) if domain_state != "gone" else {}
+        for k in ("owned_bytes", "resident_bytes", "stored_bytes", "qemu_own_bytes",
+                  "compress_s_total", "restore_s_total"):
+            out[k] = own.get(k, 0)
+        mem = self.memory.get(name)
+        # memstats() is typed dict[str, object]: its "handler" entry is the counters' dict.
+        handler = cast(dict[str, Any], mem.memstats(reset=False)["handler"]) if mem is not None else {}
+        out.update(compressed=bool(mem is not None and mem.compressed),
+                   compress_count=self.memory.compress_count.get(name, 0),
+                   restore_count=self.memory.restore_count.get(name, 0),
+                   faults=int(handler.get("faults", 0)), faults_served=int(handler.get("served", 0)),
+                   fault_errors=int(handler.get("errors", 0)))
+        return out
 
     def owned_all(self, names: list[str] | None = None) -> dict[str, Any]:
         """Owned bytes of sandboxes (all by default), the store's total and the manager's

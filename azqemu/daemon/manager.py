@@ -20,17 +20,20 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
 from azqemu import config as config_mod
 from azqemu.daemon.accounting import Accounting
+from azqemu.daemon.domainmeta import MetadataWriter
 from azqemu.daemon.lifecycle import EXEC_DEFAULT_TIMEOUT_S, Lifecycle
 from azqemu.daemon.memsvc import MemoryService
 from azqemu.daemon.reconcile import reconcile
 from azqemu.daemon.registry import Registry
 from azqemu.daemon.schedsvc import SchedService
 from azqemu.daemon.watch import DomainWatcher
+from azqemu.errors import SandboxNotFound
 from azqemu.host import doctor
 from azqemu.sched import policy as policy_mod
 from azqemu.sched.agentlink import AgentLinks
@@ -60,12 +63,20 @@ class Manager:
         self.scheduler = Scheduler(self.schedsvc)
         self.agent_links = AgentLinks(self.schedsvc.agent_sockets, self.schedsvc.on_agent_message)
         self.watcher = DomainWatcher(self.registry, self.memory)  # domains stopped outside azqemu
+        # State in each domain's <metadata> for virsh and Nova-style tools (daemon/domainmeta.py);
+        # the API gives the labels (labels_of).
+        self.labels_of: Callable[[str], dict[str, str]] | None = None
+        self.metadata = MetadataWriter(self._metadata_of, self._write_metadata)
+        self.registry.on_record_change = self.metadata.request
 
     def start(self) -> None:
         """Start the background work: the scheduler, the in-guest agent links, the lifecycle watcher."""
         self.scheduler.start()
         self.agent_links.start()
         self.watcher.start()
+        self.metadata.start()
+        for rec in self.registry.sandboxes.list():   # what reconcile settled, and older daemons' domains
+            self.metadata.request(rec.name)
 
     def reconcile(self) -> dict[str, list[str]]:
         """Make records agree with libvirt; returns what changed."""
@@ -75,10 +86,30 @@ class Manager:
         """Stop serving faults without unregistering: QEMU keeps its uffd, so a compressed
         guest waits for the next manager instead of reading zero pages."""
         self.watcher.stop()
+        self.metadata.stop()
         self.scheduler.stop()
         self.agent_links.stop()
         self.memory.close()
         self.registry.host.close()
+
+    def _metadata_of(self, name: str) -> tuple[dict[str, str], dict[str, str] | None] | None:
+        """What ``<azq:sandbox>`` says of ``name`` now (None once it has no record)."""
+        try:
+            rec = self.registry.record(name)
+        except SandboxNotFound:
+            return None
+        state, _reason = self.registry.state_of(name)
+        st = self.registry.sched.get(name)
+        mem = self.memory.get(name)
+        attrs = {"state": state, "policy": rec.policy,
+                 "compressed": "yes" if mem is not None and mem.compressed else "no",
+                 "stored-bytes": str(mem.stored_bytes() if mem is not None else 0)}
+        if st is not None:
+            attrs["phase"] = st.tracker.current().phase
+        return attrs, (self.labels_of(name) if self.labels_of is not None else None)
+
+    def _write_metadata(self, name: str, attrs: dict[str, str], labels: dict[str, str] | None) -> None:
+        self.registry.host.get_domain(name).set_metadata(attrs, labels)
 
     # -- operations ----------------------------------------------------------------------
     def op_ping(self) -> dict[str, Any]:
@@ -119,7 +150,9 @@ class Manager:
         return self.lifecycle.exec(name, argv, timeout_s=timeout_s, stdin_b64=stdin_b64)
 
     def op_phase(self, name: str, phase: str) -> dict[str, Any]:
-        return self.schedsvc.phase(name, phase)
+        out = self.schedsvc.phase(name, phase)
+        self.metadata.request(name)
+        return out
 
     def op_set_policy(self, names: list[str], policy: str, grace_s: float | None = None,
                       pressure_budget_bytes: int | None = None) -> None:
@@ -157,6 +190,9 @@ class Manager:
 
     def op_dominfo(self, name: str) -> dict[str, Any]:
         return self.accounting.dominfo(name)
+
+    def op_domstats(self, name: str) -> dict[str, Any]:
+        return self.accounting.domstats(name)
 
     def op_memstats(self, name: str, reset: bool = False) -> dict[str, Any]:
         """Restore figures of one sandbox (azq bench restore): fault counters, per-fault

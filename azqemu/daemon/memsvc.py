@@ -62,6 +62,8 @@ class MemoryService:
         self._template_images: dict[str, tuple[tuple[float, int, int], TemplateImage]] = {}
         self.mem: dict[str, SandboxMemory] = {}
         self.compress_cpu_s: dict[str, float] = {}   # compressing thread's CPU time per sandbox
+        self.compress_count: dict[str, int] = {}     # compressions that finished, per sandbox
+        self.restore_count: dict[str, int] = {}      # resumes of a compressed sandbox, per sandbox
         selfmem.bound_heap_caching()
         # Sandboxes whose stored pages were lost (a quarantined store or index): name -> reason.
         self.failed: dict[str, str] = {}
@@ -211,6 +213,8 @@ class MemoryService:
         self.detach(name)
         self.failed.pop(name, None)
         self.compress_cpu_s.pop(name, None)
+        self.compress_count.pop(name, None)
+        self.restore_count.pop(name, None)
         if self.has_stored(name):
             # Tombstoned: the domain goes after this; if the manager dies in between, the
             # next one finds the domain running without its pages and fails it (free_stale).
@@ -267,6 +271,8 @@ class MemoryService:
             mem.template.drop_mapped()
             selfmem.trim_heap()
         durations.COMPRESS_SECONDS.observe(st.total_s)
+        if not st.cancelled:
+            self.compress_count[rec.name] = self.compress_count.get(rec.name, 0) + 1
         return {"name": rec.name, "resident_pages": st.resident_pages, "stored_pages": st.stored_pages,
                 "raw_pages": st.raw_pages, "pages": st.pages_by_kind, "bytes": st.bytes_by_kind,
                 "hot_pages": st.hot_pages, "mapped_pages": st.mapped_pages, "scan_s": st.scan_s,
@@ -282,6 +288,7 @@ class MemoryService:
             return {}
         st = mem.prefetch(hot=hot)
         durations.RESTORE_SECONDS.observe(st.total_s)
+        self.restore_count[name] = self.restore_count.get(name, 0) + 1
         return {"prefetched_pages": st.prefetched_pages, "prefetch_s": st.prefetch_s,
                 "prefetch_mib_s": st.prefetch_mib_s}
 

@@ -27,11 +27,13 @@ def running() -> bool:
 
 
 def start(log_path: str | None = None) -> subprocess.Popen[bytes]:
-    """Start ``azq daemon`` and wait until it answers."""
+    """Start ``azq daemon`` and wait until it answers. The daemon logs to its own log
+    (``Config.daemon_log``); its stdout and stderr go there too, for a crash before logging."""
     cfg = config_mod.load()
     if running():
         raise DaemonError(f"a daemon already serves {cfg.daemon_socket}")
-    log_path = log_path or str(cfg.run_dir / "daemon.log")
+    log_path = log_path or str(cfg.daemon_log)
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "azqemu", "daemon"], stdout=log, stderr=log,

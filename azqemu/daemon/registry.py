@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 from azqemu import config as config_mod
 from azqemu.daemon.states import PAUSED_BY_AZQ, Slot, SlotTable, State, parse_state
@@ -36,6 +37,9 @@ class Registry:
         self._records_mu = threading.Lock()
         self.slots = SlotTable(on_change=self._persist_state)
         self.sched: dict[str, SchedState] = {}
+        # Told of every record change, to mirror it into the domain's <metadata> (the
+        # manager's daemon/domainmeta.MetadataWriter; never blocks).
+        self.on_record_change: Callable[[str], None] | None = None
 
     # -- lifecycle state --------------------------------------------------------------------
     def slot(self, name: str) -> Slot:
@@ -102,7 +106,9 @@ class Registry:
             for k, v in fields.items():
                 setattr(rec, k, v)
             self.sandboxes.save(rec)
-            return rec
+        if self.on_record_change is not None:
+            self.on_record_change(name)
+        return rec
 
     # -- records and domains ----------------------------------------------------------------
     def record(self, name: str) -> SandboxRecord:

@@ -116,10 +116,12 @@ class DomainWatcher:
             cause = f"{event}-{detail}"
             log.warning("sandbox %s ended outside azqemu (%s, domain %s): releasing it", name, cause, state)
             self.memory.cancel(name)
-            reg.forget(name)
             self.memory.release(name)
             remove_vm_dir(name)
             reg.sandboxes.remove(name)
+            # Last: a slot asked for meanwhile is made again from the record while it exists,
+            # and would then outlive it and keep the name taken.
+            reg.forget(name)
             self.lost_total[detail if event == "stopped" else event] += 1
             self.recent.append({"time": time.time(), "sandbox": name, "event": "released", "detail": cause})
             return True

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,7 +66,8 @@ def _module_available(name: str) -> bool:
     return subprocess.run(["modprobe", "-n", name], capture_output=True).returncode == 0
 
 
-def run_checks() -> list[Check]:
+def run_checks(daemon: tuple[DaemonPing, str] | None = None) -> list[Check]:
+    """Every check; the daemon's too when ``daemon`` gives a ping and where it is asked."""
     cfg = config_mod.load()
     checks: list[Check] = []
     facts = hostsetup.detect(_guest_kernel())
@@ -104,7 +106,27 @@ def run_checks() -> list[Check]:
                         "" if kernel else "run 'azq image build'"))
     checks.append(_disk_check(cfg.state_dir))
     checks.append(_baseline_check())
+    if daemon is not None:
+        checks.append(daemon_check(*daemon))
     return checks
+
+
+# Asks the daemon who it is: (pid, version) or an AzqemuError (the CLI passes the typed
+# client's ping; the host layer does not depend on the client).
+DaemonPing = Callable[[], tuple[int, str]]
+
+
+def daemon_check(ping: DaemonPing, where: str) -> Check:
+    """Whether the manager daemon answers on its socket, and which one (pid, version). A
+    daemon that is down is a warning: the host can run one, nothing is broken."""
+    from azqemu.errors import AzqemuError
+
+    try:
+        pid, version = ping()
+    except AzqemuError as exc:
+        return Check("daemon", WARN, str(exc).split("; start it")[0] if str(exc) else f"no answer at {where}",
+                     "start it: 'azq daemon' or 'systemctl start azqemu' (docs/operations.md)")
+    return Check("daemon", OK, f"azqemu {version} answers at {where} (pid {pid})")
 
 
 def _baseline_check() -> Check:

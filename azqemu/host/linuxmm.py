@@ -513,8 +513,11 @@ def _meminfo_bytes(key: str) -> int:
 
 @contextmanager
 def signals_raise() -> Iterator[None]:
-    """Turn SIGTERM and SIGHUP into SystemExit for the block, so that ``with LinuxConfig()``
-    tears down when a benchmark is killed politely (SIGKILL still needs ``recover()``)."""
+    """Turn SIGTERM and SIGHUP into SystemExit, and SIGINT into KeyboardInterrupt, for the
+    block, so that ``with LinuxConfig()`` tears down when a benchmark is stopped politely
+    (SIGKILL still needs ``recover()``). SIGINT is taken even when the process started with it
+    ignored (as a shell starts a background job): ``kill -INT`` from an orchestrator stops the
+    run as Ctrl-C does."""
     import threading
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -523,6 +526,7 @@ def signals_raise() -> Iterator[None]:
     def handler(signum: int, _frame: FrameType | None) -> None:
         raise SystemExit(128 + signum)
     old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
+    old[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:

@@ -23,6 +23,7 @@ from azqemu import config as config_mod
 from azqemu.errors import (
     AgentError,
     DomainNotFound,
+    DomainStateError,
     ExecError,
     LibvirtUnavailable,
     SandboxExists,
@@ -67,6 +68,14 @@ def translate_errors(name: str = "") -> Iterator[None]:
         raise VirtError(msg, code) from err
 
 
+def sandbox_metadata_xml(attrs: dict[str, str], labels: dict[str, str] | None = None) -> str:
+    """The ``<sandbox>`` element libvirt's setMetadata takes (it adds our namespace itself)."""
+    elem = etree.Element("sandbox", {k: str(v) for k, v in sorted(attrs.items())})
+    for key, value in sorted((labels or {}).items()):
+        etree.SubElement(elem, "label", key=key, value=value)
+    return etree.tostring(elem).decode()
+
+
 @dataclass(frozen=True)
 class DomainInfo:
     name: str
@@ -102,6 +111,16 @@ class Domain:
         elem = root.find(f"metadata/{{{AZQ_NS}}}sandbox")
         return dict(elem.attrib) if elem is not None else {}
 
+    def set_metadata(self, attrs: dict[str, str], labels: dict[str, str] | None = None) -> None:
+        """Rewrite our ``<azq:sandbox>`` element on the running domain (``virsh dumpxml`` shows
+        it at once): ``attrs`` are merged over the attributes it has (role, template ... stay),
+        ``labels`` (if given) become its ``<azq:label key= value=>`` children. Live only: our
+        domains are transient and have no persistent definition to change."""
+        xml = sandbox_metadata_xml({**self.metadata(), **attrs}, labels)
+        with translate_errors(self.name):
+            self._dom.setMetadata(libvirt.VIR_DOMAIN_METADATA_ELEMENT, xml, "azq", AZQ_NS,
+                                  libvirt.VIR_DOMAIN_AFFECT_LIVE)
+
     def qemu_pid(self) -> int | None:
         """QEMU's pid, from libvirt's pid file (qemu:///system keeps it in /run/libvirt/qemu)."""
         try:
@@ -135,10 +154,19 @@ class Domain:
                 return libvirt_qemu.qemuAgentCommand(self._dom, command_json, timeout_s, 0)
         except VirtError as exc:
             if exc.code == libvirt.VIR_ERR_OPERATION_INVALID and "not running" in str(exc):
+                if not self._active():
+                    # Destroyed meanwhile: no agent will ever answer, the caller stops now.
+                    raise DomainStateError(self.name, "shut off", "running") from exc
                 # Paused (a compression in progress): libvirt refused before sending anything,
                 # so the caller may wait for the agent and ask again.
                 raise AgentError(f"guest agent of {self.name!r} unavailable: the domain is paused") from exc
             raise
+
+    def _active(self) -> bool:
+        try:
+            return bool(self._dom.isActive())
+        except libvirt.libvirtError:
+            return False
 
 
 class Host:

@@ -37,7 +37,7 @@ def azq_env() -> Iterator[dict[str, str]]:
     os.chmod(base, 0o755)
     run_dir = Path(f"/run/azq-itest-{os.getpid()}")
     env = {"AZQ_STATE_DIR": str(base / "state"), "AZQ_RUN_DIR": str(run_dir),
-           "AZQ_SHM_DIR": f"/dev/shm/azq-itest-{os.getpid()}"}
+           "AZQ_SHM_DIR": f"/dev/shm/azq-itest-{os.getpid()}", "AZQ_LOG_DIR": str(base / "log")}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     # The host facts (KVM verdict) are probed once per boot into the run dir: share them.

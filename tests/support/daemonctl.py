@@ -16,7 +16,7 @@ def start() -> subprocess.Popen[bytes]:
     try:
         return daemonproc.start()
     except DaemonError as exc:
-        log = (config_mod.load().run_dir / "daemon.log").read_text()[-4000:]
+        log = config_mod.load().daemon_log.read_text()[-4000:]
         raise AssertionError(f"{exc}\n{log}") from exc
 
 

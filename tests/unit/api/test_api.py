@@ -60,6 +60,8 @@ def test_typed_results_through_the_client(served: Served) -> None:
     assert c.list_sandboxes(state="paused") == [] and c.list_sandboxes(template="base")[0].name == "a-0"
     info = c.dominfo("a-0")
     assert info.name == "a-0" and info.compressed is False
+    stats = c.domstats("a-0")
+    assert isinstance(stats, models.DomStats) and (stats.name, stats.state) == ("a-0", "running")
     (t,) = c.template_list()
     assert (t.name, t.clones) == ("base", 1)
     owned = c.owned()

@@ -45,6 +45,11 @@ class FakeDomain:
         self._alive()
         return dict(self._meta)
 
+    def set_metadata(self, attrs: dict[str, str], labels: dict[str, str] | None = None) -> None:
+        self._alive()
+        self._meta.update(attrs)
+        self.labels = dict(labels or {})
+
     def qemu_pid(self) -> int | None:
         return None if self.destroyed else self.pid
 

@@ -28,6 +28,9 @@ class FakeMem:
     def stored_bytes(self) -> int:
         return self.stored
 
+    def memstats(self, *, reset: bool) -> dict[str, Any]:
+        return {"handler": {"faults": 7, "served": 6, "errors": 0}}
+
 
 @pytest.fixture
 def mgr(cfg: Any, host: Any, sandbox_meta_of: Any, template: TemplateMeta,
@@ -123,3 +126,12 @@ def test_list_and_dominfo_describe_state_memory_and_machine(mgr: Manager, host: 
     info = mgr.op_dominfo("c0")
     assert (info["mem_mib"], info["vcpus"], info["machine"], info["accel"]) == (64, 1, "pc", "tcg")
     assert info["stored_bytes"] == 3000 and info["compressed"] is False
+
+
+def test_domstats_gives_state_bytes_and_counters(mgr: Manager) -> None:
+    st = mgr.op_domstats("m1")
+    assert (st["name"], st["state"], st["compressed"], st["stored_bytes"]) == ("m1", "running", True, 2000)
+    assert st["resident_bytes"] == 20 * PAGE and st["owned_bytes"] == 20 * PAGE + 2000
+    assert (st["compress_count"], st["restore_count"]) == (0, 0)
+    assert (st["faults"], st["faults_served"], st["fault_errors"]) == (7, 6, 0)
+    assert {"phase", "policy", "domain_state"} <= set(st)

@@ -33,6 +33,7 @@ OPS: dict[str, list[tuple[str, Any]]] = {
     "owned": [("names", None)],
     "list": [],
     "dominfo": [("name", inspect.Parameter.empty)],
+    "domstats": [("name", inspect.Parameter.empty)],
     "memstats": [("name", inspect.Parameter.empty), ("reset", False)],
 }
 
@@ -63,3 +64,20 @@ def test_paths_of_an_existing_sandbox_are_those_its_identity_gave_it(cfg: Any) -
     for attr in ("qmp_socket", "migration_socket", "uffd_socket", "guest_agent_socket", "azq_agent_socket"):
         assert getattr(paths, attr) == getattr(ident, attr)
         assert getattr(paths, attr).parent == paths.vm_dir
+
+
+def test_state_changes_reach_the_domain_metadata(cfg: Any, host: Any, sandbox_meta_of: Any) -> None:
+    host.add("a-0", sandbox_meta_of())
+    m = Manager(cfg, host=host)
+    m.start()
+    try:
+        m.labels_of = lambda name: {"task": "42"}
+        m.op_set_policy(["a-0"], "agentzip")
+        assert m.metadata.flush()
+        meta = host.doms["a-0"].metadata()
+        assert (meta["state"], meta["policy"], meta["compressed"], meta["stored-bytes"]) == \
+            ("running", "agentzip", "no", "0")
+        assert meta["role"] == "sandbox"             # what creation wrote stays
+        assert host.doms["a-0"].labels == {"task": "42"}
+    finally:
+        m.close()

@@ -60,3 +60,15 @@ def test_ksm_merges_a_domain_only_when_its_policy_asks() -> None:
         assert [c.tag for c in root.find("memoryBacking")] == ["nosharepages", "source", "access"]
     root = etree.fromstring(domxml.build(_spec("k2", ram_backing="file-private", ksm_merge=True)).encode())
     assert root.find("memoryBacking/nosharepages") is None
+
+
+def test_sandbox_metadata_xml_keeps_attrs_and_labels() -> None:
+    from lxml import etree
+
+    from azqemu.virt.host import sandbox_metadata_xml
+
+    xml = sandbox_metadata_xml({"role": "sandbox", "state": "compressed", "stored-bytes": "4096"},
+                               {"task": "42", "tenant": "acme"})
+    elem = etree.fromstring(xml)
+    assert elem.tag == "sandbox" and elem.get("state") == "compressed" and elem.get("stored-bytes") == "4096"
+    assert [(e.get("key"), e.get("value")) for e in elem.findall("label")] == [("task", "42"), ("tenant", "acme")]
