@@ -386,9 +386,9 @@ class SandboxMemory:
         - copies still equal to their stored entries (put back by the last resume, not
           written since): dropped, the entries serve them on their next touch. Nothing to
           encode or commit: a durable generation names them already;
-        - copies the guest wrote whose bytes have not changed since the last trim (cold for
-          writing: a build tree, a log, a heap the tool left behind): encoded, committed
-          durable, then dropped, exactly as a compression does.
+        - copies the guest wrote whose hash has not moved across trims (cold for writing: a
+          build tree, a log, a heap the tool left behind): encoded, committed durable, then
+          dropped, exactly as a compression does; incompressible ones stay.
 
         Both left alone for ``self.cold.after_s`` at least (since the resume, or with the same
         hash). There is no access tracking in this kernel (no idle-page bits), so whether a
@@ -411,7 +411,7 @@ class SandboxMemory:
             faulted = self.handler.hot_pages(self._block_index)
             cold_after_s = st.cold_after_s = self.cold.judge(faulted)
             prefetch_cold = now - self._resumed_at >= cold_after_s
-            key = np.empty(len(idx), dtype=np.uint64)
+            key = np.zeros(len(idx), dtype=np.uint64)   # a cancel may leave rows unhashed
             since = np.full(len(idx), now)
             raw = np.zeros(len(idx), dtype=bool)
             same_parts: list[np.ndarray] = []
