@@ -328,8 +328,3 @@ def write_report(result: dict[str, Any], out_dir: Path, prefix: str = "density")
     md.write_text(markdown_table(result))
     return ReportFiles(js, md, plot_memory(result, out_dir / f"{prefix}-memory.png"),
                        plot_latency_cdf(result, out_dir / f"{prefix}-latency.png"))
-
-
-# ---------------------------------------------------------------------------------------
-# Nightly regression check
-# ---------------------------------------------------------------------------------------
