@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from azqemu.errors import ConfigError, HostError
-from azqemu.pages import PAGE_SHIFT, PAGE_SIZE, data_extents
+from azqemu.pages import PAGE_SHIFT, PAGE_SIZE, data_extents, page_runs
 
 GIB = 1 << 30
 # QEMU q35 (hw/i386/pc_q35.c): with ram_size >= 0xb0000000 only 2 GiB stay below the
@@ -235,11 +235,9 @@ def read_file_pages(fd: int, page_idx: np.ndarray) -> np.ndarray:
     idx = np.asarray(page_idx, dtype=np.int64)
     pages = np.empty((len(idx), PAGE_SIZE), dtype=np.uint8)
     if len(idx):
-        breaks = np.flatnonzero(np.diff(idx) != 1) + 1
-        starts = np.concatenate(([0], breaks))
-        ends = np.concatenate((breaks, [len(idx)]))
-        extents = [(int(idx[a]) << PAGE_SHIFT, int(b - a) << PAGE_SHIFT)
-                   for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
+        starts, lengths = page_runs(idx)
+        extents = [(s << PAGE_SHIFT, n << PAGE_SHIFT)
+                   for s, n in zip(starts.tolist(), lengths.tolist(), strict=True)]
         clipped = _clip_to_file(fd, extents)
         if clipped != extents:
             pages[-1] = 0
