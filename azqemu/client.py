@@ -134,13 +134,18 @@ class Client:
             if deadline is not None and time.monotonic() >= deadline:
                 raise DaemonError(f"job {job_id} ({job.kind}) still running after {timeout_s:g} s")
 
-    def events(self, since: float = 0.0) -> list[m.Event]:
-        return [m.Event.model_validate(e) for e in self._request("GET", "/events", params={"since": since})]
+    def events(self, since: float = 0.0, *, sandbox: str | None = None,
+               event: list[str] | None = None) -> list[m.Event]:
+        """Recent events, oldest first; only ``sandbox``'s and of the kinds in ``event`` if given."""
+        params = {"since": since, "sandbox": sandbox, "event": event or None}
+        return [m.Event.model_validate(e) for e in self._request("GET", "/events", params=params)]
 
-    def follow_events(self, since: float = 0.0) -> Iterator[m.Event]:
+    def follow_events(self, since: float = 0.0, *, sandbox: str | None = None,
+                      event: list[str] | None = None) -> Iterator[m.Event]:
         """The daemon's events as they happen (a stream; ends when the daemon stops)."""
+        params = _params({"since": since, "follow": "true", "sandbox": sandbox, "event": event or None})
         try:
-            with self._http.stream("GET", "/events", params={"since": since, "follow": "true"},
+            with self._http.stream("GET", "/events", params=params,
                                    timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S)) as r:
                 if r.status_code >= 400:
                     r.read()

@@ -10,8 +10,16 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from azqemu.errors import ConfigError
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_LOG_DIR = "/var/log/azqemu"
+# TCG's translation cache per guest (QEMU's tb-size). QEMU 7.2 lets it grow to 1 GiB: a
+# guest that runs a Python build for minutes held 420 MiB of it, more than its own RAM use,
+# in every sandbox alike (docs/figures.md). Once full it is flushed and refilled in place,
+# so this bounds QEMU's own memory under TCG. 0 leaves QEMU's default. KVM has none.
+DEFAULT_TCG_TB_CACHE_MIB = 96
+MAX_TCG_TB_CACHE_MIB = 2048
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,19 @@ class Config:
     @property
     def preload_library(self) -> Path:
         return Path(os.environ.get("AZQ_PRELOAD_LIB", REPO_ROOT / "qemu-patches" / "libazq_uffd.so"))
+
+
+def tcg_tb_cache_mib() -> int:
+    """``AZQ_TCG_TB_CACHE_MIB``: the TCG translation cache of each new domain (MiB, 0 =
+    QEMU's default); ConfigError naming the variable if it is not such a number."""
+    raw = os.environ.get("AZQ_TCG_TB_CACHE_MIB", str(DEFAULT_TCG_TB_CACHE_MIB))
+    try:
+        mib = int(raw)
+    except ValueError:
+        mib = -1
+    if not 0 <= mib <= MAX_TCG_TB_CACHE_MIB:
+        raise ConfigError(f"AZQ_TCG_TB_CACHE_MIB={raw!r}: expected MiB from 0 to {MAX_TCG_TB_CACHE_MIB}")
+    return mib
 
 
 def load() -> Config:

@@ -38,6 +38,7 @@ from azqemu.errors import (
     MalformedRequest,
     RequestInvalid,
 )
+from azqemu.names import validate_name
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
         (503, "Daemon busy (DaemonBusy) or libvirtd unavailable"),
         (507, "No room for the state directory or the page store (DiskFull, StoreFull)"))}
 SANDBOX = "sandboxes"
+MAX_EVENT_KINDS = 32
 TEMPLATE = "templates"
 DAEMON = "daemon"
 
@@ -142,16 +144,25 @@ def make_app(manager: Any, jobs: Jobs | None = None, tags: SandboxTags | None = 
         """A job: running, succeeded (with its result) or failed (with its error)."""
         return jobs.get(job_id, wait)
 
-    @app.get(f"{PREFIX}/events", response_model=list[models.Event], tags=[DAEMON], responses=ERRORS)
+    @app.get(f"{PREFIX}/events", response_model=list[models.Event], response_model_exclude_none=True,
+             tags=[DAEMON], responses=ERRORS)
     def events(since: Annotated[float, Query(ge=0, allow_inf_nan=False, description="Unix time")] = 0.0,
                follow: Annotated[bool, Query(description="Stream: one JSON event per line "
                                                          "(application/x-ndjson) until the client leaves")] = False,
+               sandbox: Annotated[str | None, Query(description="Only this sandbox's events")] = None,
+               event: Annotated[list[str] | None, Query(description="Only events of this kind (repeatable: "
+                                                                    "created, phase, compress, resume, ...)")] = None,
                ) -> Any:
-        """Recent sandbox lifecycle events, or (``follow``) a stream of them."""
+        """Recent sandbox events (libvirt's lifecycle events and azqemu's own), or (``follow``)
+        a stream of them."""
+        if sandbox is not None:
+            validate_name(sandbox, "sandbox name")
+        if event is not None and (len(event) > MAX_EVENT_KINDS or any(len(k) > 64 for k in event)):
+            raise ConfigError(f"event: at most {MAX_EVENT_KINDS} kinds of at most 64 characters")
         if follow:
             checks.check_args("events", {"since": since})
-            return streams.events_response(lambda s: call("events", since=s), since)
-        return call("events", since=since)
+            return streams.events_response(manager.events, since, sandbox=sandbox, kinds=event)
+        return call("events", since=since, sandbox=sandbox, event=event)
 
     @app.get(f"{PREFIX}/owned", response_model=models.Owned, tags=[DAEMON], responses=ERRORS)
     def owned(names: Annotated[str | None, Query(description="Comma-separated sandbox names "

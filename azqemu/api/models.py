@@ -240,10 +240,33 @@ class MemStats(Response):
 
 
 class Event(Response):
-    time: float
+    """One event of a sandbox (daemon/eventlog.py). ``source`` tells libvirt's lifecycle events
+    (started, suspended, resumed, stopped, ...) from azqemu's own (created, phase, compress,
+    resume, failed, destroyed, released); a kind's fields are present when it has them."""
+
+    time: float = Field(description="Unix time")
     sandbox: str
-    event: str
-    detail: str
+    event: str = Field(description="The kind: libvirt's lifecycle event, or created, phase, compress, "
+                                   "resume, failed, destroyed, released")
+    detail: str = Field(description="One short line: libvirt's detail, or done / cancelled / failed, ...")
+    source: str = Field("libvirt", description="libvirt or azqemu")
+    seq: int | None = Field(None, description="Order within this daemon's life (times may tie)")
+    phase: str | None = Field(None, description="phase: tool or wait")
+    signal: str | None = Field(None, description="phase: what decided it (hint, exec, agent, host)")
+    duration_s: float | None = Field(None, description="created, compress, resume, destroyed: how long it took")
+    stored_bytes: int | None = Field(None, description="compress: the sandbox's bytes in the page store")
+    stored_pages: int | None = None
+    resident_pages: int | None = Field(None, description="compress: the pages it held when it began")
+    prefetched_pages: int | None = None
+    prefetched_bytes: int | None = Field(None, description="resume: the hot set copied back before the vCPUs")
+    reason: str | None = Field(None, description="failed, and a compress or resume that failed: why")
+    state: str | None = Field(None, description="failed, destroyed: the state it was in")
+    template: str | None = Field(None, description="created: of which template")
+    ram_mode: str | None = Field(None, description="created: eager, lazy or cow")
+
+    def as_json(self) -> dict[str, Any]:
+        """The fields the event has (a kind's absent fields are left out, not null)."""
+        return self.model_dump(mode="json", exclude_none=True)
 
 
 class ErrorInfo(BaseModel):

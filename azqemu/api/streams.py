@@ -1,11 +1,12 @@
 """Streamed responses as JSON lines (application/x-ndjson): ``GET /v1/events?follow=true``
 and ``POST /v1/sandboxes/{name}/exec/stream``.
 
-The daemon's events are kept in memory by the lifecycle watcher (``daemon/watch.py``); a
-follower polls them every ``POLL_S`` from the event loop (the poll is a list copy, no I/O)
-and writes each new one as a line. An empty line every ``HEARTBEAT_S`` keeps proxies and the
-client's read timeout from closing a quiet stream, and lets the server notice a client that
-left. The stream ends when the client disconnects or the daemon stops.
+The daemon's events are kept in memory by its event log (``daemon/eventlog.py``); a follower
+waits on it in the event loop (``EventLog.wait_async``: woken by each new event, no thread
+held, no polling) and writes each new one as a line, in ``seq`` order (times may tie). An
+empty line every ``HEARTBEAT_S`` keeps proxies and the client's read timeout from closing a
+quiet stream, and lets the server notice a client that left. The stream ends when the
+client disconnects or the daemon stops.
 """
 
 from __future__ import annotations
@@ -13,34 +14,41 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from typing import Any
 
 from fastapi.responses import StreamingResponse
 
-POLL_S = 0.2
+from azqemu.daemon.eventlog import EventLog
+
 HEARTBEAT_S = 15.0
 NDJSON = "application/x-ndjson"
 
 
-async def _follow(poll: Callable[[float], list[dict[str, Any]]], since: float) -> AsyncIterator[bytes]:
+async def _follow(log: EventLog, since: float, sandbox: str | None,
+                  kinds: Collection[str] | None) -> AsyncIterator[bytes]:
+    after_seq = 0
     last_write = time.monotonic()
     while True:
-        batch = poll(since)
-        for e in batch:
-            yield json.dumps(e, separators=(",", ":")).encode() + b"\n"
-            since = max(since, float(e["time"]))
-        now = time.monotonic()
-        if batch:
-            last_write = now
-        elif now - last_write >= HEARTBEAT_S:
-            yield b"\n"
-            last_write = now
-        await asyncio.sleep(POLL_S)
+        seen = log.last_seq    # events published from here on go out in the next round
+        for e in log.events(since, after_seq=after_seq, sandbox=sandbox, kinds=kinds):
+            if e["seq"] <= seen:
+                yield _line(e)
+                last_write = time.monotonic()
+        # Filtered out or sent: not looked at again. ``since`` only picks the backlog: a
+        # clock stepped back must not hide new events.
+        after_seq, since = seen, 0.0
+        left_s = HEARTBEAT_S - (time.monotonic() - last_write)
+        if left_s <= 0 or not await log.wait_async(after_seq, left_s):
+            if time.monotonic() - last_write >= HEARTBEAT_S:
+                yield b"\n"
+                last_write = time.monotonic()
 
 
-def events_response(poll: Callable[[float], list[dict[str, Any]]], since: float) -> StreamingResponse:
-    return StreamingResponse(_follow(poll, since), media_type=NDJSON, headers={"Cache-Control": "no-store"})
+def events_response(log: EventLog, since: float, *, sandbox: str | None = None,
+                    kinds: Collection[str] | None = None) -> StreamingResponse:
+    return StreamingResponse(_follow(log, since, sandbox, kinds), media_type=NDJSON,
+                             headers={"Cache-Control": "no-store"})
 
 
 # -- exec as a stream ------------------------------------------------------------------------

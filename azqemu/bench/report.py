@@ -14,7 +14,8 @@ Optional keys this module understands (added, never renamed):
     policies[P]["tool_latencies_s"] = [...]  every tool call's latency (CDF plot);
     policies[P]["qemu_own_bytes_avg"], result["template_bytes"], result["seed"], result["scale"];
     policies[P]["host_cost_bytes_avg"], ["host_cost_bytes_peak"] (host used above idle minus
-    QEMU's own memory), ["manager_anon_above_idle_bytes_avg"], ["compress_cpu_s_total"].
+    QEMU's own memory), ["manager_anon_above_idle_bytes_avg"], ["compress_cpu_s_total"],
+    ["compress_cpu_s_per_wait"] (per finished compression; null without one).
 
 Ratios are against both no-compression baselines: ``none`` (full-copy clones) and
 ``none-cow`` (copy-on-write clones, the stronger one): ratio = baseline host cost / policy
@@ -125,7 +126,8 @@ def _s(x: float | None) -> str:
 
 HEADERS = ("policy", "host cost avg MiB", "host cost peak MiB", "vs none", "vs none-cow", "owned avg MiB",
            "owned peak MiB", "host used avg MiB", "QEMU own MiB/sandbox", "manager anon +MiB",
-           "tool median s", "tool p95 s", "slowdown", "compress s", "compress CPU s", "restore s")
+           "tool median s", "tool p95 s", "slowdown", "compress s", "compress CPU s", "restore s",
+           "compress CPU s/wait")
 
 QEMU_NOTE = ("QEMU's own memory (the process minus guest RAM) is set aside from host cost: it is the "
              "same for every policy, and here (TCG) mostly the translation cache; a KVM QEMU's own "
@@ -146,8 +148,13 @@ def table_rows(result: dict[str, Any]) -> list[list[str]]:
             _s(_get(pol, "tool_latency_s.median")), _s(_get(pol, "tool_latency_s.p95")),
             _x(r[name]["slowdown_vs_none_cow"]), _s(_get(pol, "compress_s_total")),
             _s(_get(pol, "compress_cpu_s_total")), _s(_get(pol, "restore_s_total")),
+            _cpu_wait(_get(pol, "compress_cpu_s_per_wait")),
         ])
     return rows
+
+
+def _cpu_wait(x: float | None) -> str:
+    return "—" if x is None or not math.isfinite(x) else f"{x:.3f}"
 
 
 def _title(result: dict[str, Any]) -> str:
@@ -177,7 +184,7 @@ def markdown_table(result: dict[str, Any]) -> str:
 
 
 RICH_HEADERS = ("policy", "cost", "peak", "×none", "×cow", "owned", "qemu", "mgr+", "p50 s", "p95 s", "slow",
-                "cpu")
+                "cpu", "cpu/w")
 
 
 def rich_table(result: dict[str, Any]) -> Any:
@@ -190,7 +197,7 @@ def rich_table(result: dict[str, Any]) -> Any:
                   caption="MiB averaged over the run (peak: max). cost: host used above idle minus QEMU's own "
                   "memory (qemu, per sandbox: set aside, TCG's translation cache here, a few tens of MiB under "
                   "KVM); ×: baseline cost / policy cost; mgr+: the manager's own (anon) memory above idle; "
-                  "slow: median tool latency / none-cow's; cpu: compression CPU s")
+                  "slow: median tool latency / none-cow's; cpu: compression CPU s (cpu/w: per compression)")
     for k, h in enumerate(RICH_HEADERS):
         table.add_column(h, justify="left" if k == 0 else "right", no_wrap=True)
     r = ratios(result)
@@ -208,7 +215,8 @@ def rich_table(result: dict[str, Any]) -> Any:
                       x(r[name]["ratio_vs_none"]), x(r[name]["ratio_vs_none_cow"]),
                       mib("owned_bytes_avg"), mib("qemu_own_bytes_avg"), mib("manager_anon_above_idle_bytes_avg"),
                       _s(_get(pol, "tool_latency_s.median")), _s(_get(pol, "tool_latency_s.p95")),
-                      x(r[name]["slowdown_vs_none_cow"]), _s(_get(pol, "compress_cpu_s_total")))
+                      x(r[name]["slowdown_vs_none_cow"]), _s(_get(pol, "compress_cpu_s_total")),
+                      _cpu_wait(_get(pol, "compress_cpu_s_per_wait")))
     return table
 
 

@@ -28,6 +28,8 @@ Figures (DESIGN.md, "Figures the benchmarks print"; keys stable, extras added fr
   client's round trip is ``resume_rtt_s``);
 - ``faults_after_resume``: handler faults from the start to the end of the repeated tool call
   after each resume; ``faults_removed_fraction`` = 1 - with / without.
+- ``concurrent`` (with ``--concurrent N``): per-fault service time while N other sandboxes
+  fault at once, every handler pooled (restore_concurrent.py).
 
 The stall depends on how fast an idle host CPU wakes up: each fault wakes the handler thread
 and then the vCPU thread. On a host that is itself a VM whose idle CPUs halt at once (cpuidle
@@ -417,4 +419,15 @@ def format_table(result: dict[str, Any]) -> str:
         else:
             target, verdict = "", ""
         lines.append(f"{label:<36} {value:>10}  {target:<10} {verdict}".rstrip())
+    if "concurrent" in result:
+        lines += [f"{label:<36} {value:>10}" for label, value in _concurrent_rows(result["concurrent"])]
     return "\n".join(lines)
+
+
+def _concurrent_rows(conc: dict[str, Any]) -> list[tuple[str, str]]:
+    """Table lines of ``--concurrent N`` (restore_concurrent.py): (label, value)."""
+    n, svc = conc["sandboxes"], conc["fault_service_us"]
+    return [(f"fault service median, {n} at once (us)", f"{svc['median']:.1f}"),
+            (f"fault service p99, {n} at once (us)", f"{svc['p99']:.1f}"),
+            (f"all {n} faulting at once (% of span)",
+             f"{100 * conc['overlap_s'] / conc['span_s']:.0f}" if conc.get("span_s") else "-")]

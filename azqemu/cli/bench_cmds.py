@@ -49,13 +49,20 @@ def bench_clone(count: int, template_name: str, ram_mode: str, as_json: bool) ->
 @bench.command("restore")
 @click.option("--hot-mib", default=100, show_default=True, type=click.IntRange(min=1),
               help="Working set the repeated tool call touches (the hot set of the resume).")
-@click.option("--template", "template_name", default=BENCH_TEMPLATE, show_default=True,
-              help="Template to clone (made from the guest image if missing).")
+@click.option("--template", "template_name", default=None,
+              help=f"Template to clone (made from the guest image if missing) [default: {BENCH_TEMPLATE}; "
+                   "the concurrent sandboxes: a 256 MiB one].")
+@click.option("--concurrent", "concurrent", default=None, type=click.IntRange(min=1),
+              help="Then also N sandboxes faulting at once: compressed, resumed without prefetch, "
+                   "their working sets touched together; fault service pooled over every handler.")
+@click.option("--concurrent-hot-mib", default=None, type=click.IntRange(min=1),
+              help="Working set of each concurrent sandbox [default: 16].")
 @json_option
-def bench_restore(hot_mib: int, template_name: str, as_json: bool) -> None:
+def bench_restore(hot_mib: int, template_name: str | None, concurrent: int | None,
+                  concurrent_hot_mib: int | None, as_json: bool) -> None:
     """Compress and resume a lazy clone around a repeated tool call: per-fault service time,
     the guest's stall per fault, prefetch throughput, resume time, faults removed by prefetch."""
-    from azqemu.bench import restore_bench
+    from azqemu.bench import restore_bench, restore_concurrent
 
     def progress(msg: str) -> None:
         if not as_json:
@@ -63,8 +70,16 @@ def bench_restore(hot_mib: int, template_name: str, as_json: bool) -> None:
 
     with ensure_daemon():
         c = Client()
-        ensure_template(c, template_name)
-        result = restore_bench.run(c, template=template_name, hot_mib=hot_mib, progress=progress)
+        ensure_template(c, template_name or BENCH_TEMPLATE)
+        result = restore_bench.run(c, template=template_name or BENCH_TEMPLATE, hot_mib=hot_mib,
+                                   progress=progress)
+        if concurrent is not None:
+            small = template_name or restore_concurrent.CONCURRENT_TEMPLATE
+            if template_name is None:
+                ensure_template(c, small, mem_mib=restore_concurrent.CONCURRENT_MEM_MIB)
+            result["concurrent"] = restore_concurrent.run(
+                c, template=small, sandboxes=concurrent,
+                hot_mib=concurrent_hot_mib or restore_concurrent.DEFAULT_CONCURRENT_HOT_MIB, progress=progress)
     result["targets_met"] = restore_bench.targets_met(result)
     if as_json:
         click.echo(json.dumps(result, indent=2))

@@ -80,10 +80,16 @@ def analyze_cmd(template: str, sandboxes: tuple[str, ...], as_json: bool, domain
     table.add_column("kind")
     table.add_column("pages", justify="right")
     table.add_column("share", justify="right")
+    table.add_column("before", justify="right")
     table.add_column("stored bytes", justify="right")
+    table.add_column("ratio", justify="right")
     total_pages = max(1, sum(az["pages"].values()))
-    for kind, n in az["pages"].items():
-        table.add_row(kind, str(n), f"{100 * n / total_pages:.1f}%", fmt_bytes(az["bytes"][kind]))
+    for kind, k in az["by_kind"].items():
+        ratio = "-" if k["ratio"] is None else f"{k['ratio']:.2f}x"
+        table.add_row(kind, str(k["pages"]), f"{100 * k['pages'] / total_pages:.1f}%", fmt_bytes(k["bytes_before"]),
+                      fmt_bytes(k["bytes_after"]), ratio)
+    meta = az["blob_metadata_bytes"] + az["index_bytes"]
+    table.add_row("metadata", "", "", "", fmt_bytes(meta), f"{100 * az['metadata_fraction']:.1f}% of after")
     console = Console()
     console.print(table)
     summary = Table(show_header=True)

@@ -19,7 +19,9 @@ number of threads, each end in one defined way:
 A clone batch is all or nothing: names are checked before anything is made (a taken name
 is refused and the existing sandbox is never touched), clones start in parallel, bounded,
 and if one fails every sandbox the batch made is destroyed again. Exec runs a command
-through the guest agent; a sandbox its user paused is refused.
+through the guest agent; a sandbox its user paused is refused. A sandbox made and one
+destroyed by azqemu are published as events (``created``, ``destroyed``: the daemon's event
+log, daemon/eventlog.py).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from dataclasses import asdict
 from typing import Any
 
 from azqemu.agent import GuestAgent
+from azqemu.daemon.eventlog import Publish, discard
 from azqemu.daemon.memsvc import MemoryService
 from azqemu.daemon.registry import Registry
 from azqemu.daemon.requests import MAX_CLONES_PER_REQUEST
@@ -82,9 +85,11 @@ DestroyFn = Callable[[Host, SandboxRepo, str], None]
 
 class Lifecycle:
     def __init__(self, registry: Registry, memory: MemoryService, *,
-                 clone_fn: CloneFn = clone_one, destroy_fn: DestroyFn = destroy) -> None:
+                 clone_fn: CloneFn = clone_one, destroy_fn: DestroyFn = destroy,
+                 publish: Publish = discard) -> None:
         self.reg = registry
         self.memory = memory
+        self.publish = publish
         self._clone_one = clone_fn
         self._destroy = destroy_fn
         # The memory service fails sandboxes it cannot serve (lost pages, a handler that
@@ -132,6 +137,7 @@ class Lifecycle:
             except SandboxStateError:
                 raise SandboxExists(n) from None    # another batch makes it right now
             with slot.lock:
+                t0 = time.perf_counter()
                 try:
                     rec = self._clone_one(reg.host, tmpl, n, sharing_domain=sharing_domain, ram_mode=mode,
                                           fill=fills.get(mode, lazy_fill), repo=reg.sandboxes, env=env,
@@ -141,6 +147,8 @@ class Lifecycle:
                     reg.sched[n] = SchedState(pol, grace_s=float(grace_s))
                     slot.to(State.RUNNING)
                     rec.state = State.RUNNING.value
+                    self.publish(n, "created", f"{mode} clone of {template}", template=template, ram_mode=mode,
+                                 policy=pol.name, duration_s=round(time.perf_counter() - t0, 6))
                     return rec
                 except BaseException:
                     if n in attached:  # only the memory this attempt attached
@@ -223,10 +231,11 @@ class Lifecycle:
             self._destroy(self.reg.host, self.reg.sandboxes, name)  # a domain without a record
             return
         slot.request_destroy()
-        # A compression in progress stops at its next step, so the wait below is short.
-        # Known race, accepted: a compression that starts its scan between this cancel and
-        # its own start (SandboxMemory.compress clears the cancel) runs to its end first.
-        self.memory.cancel(name)
+        # A compression in progress stops at its next step, so the wait below is short; one
+        # that starts after this (it passed the destroy_requested check just before) stops
+        # at its first step: this cancel is for good, a compression does not clear it (an
+        # eager clone's first compression, whose memory is attached only then, runs on).
+        self.memory.cancel(name, for_good=True)
         with slot.lock:
             if slot.retired:
                 raise SandboxNotFound(name)
@@ -234,7 +243,9 @@ class Lifecycle:
                 # Left there by an operation that ended without settling (a bug): failed,
                 # so that the destroy below is a transition the table allows.
                 slot.fail(f"found {slot.state.value} with no operation under way")
+            was = slot.state
             slot.to(State.DESTROYING)
+            t0 = time.perf_counter()
             self.reg.sched.pop(name, None)
             try:
                 # Unregister before the domain goes: a QEMU blocked on an unserved fault
@@ -246,6 +257,8 @@ class Lifecycle:
                 slot.to(State.FAILED, f"destroy failed: {type(exc).__name__}: {exc}")
                 raise
             self.reg.forget(name)
+            self.publish(name, "destroyed", f"by azqemu (was {was.value})", state=was.value,
+                         duration_s=round(time.perf_counter() - t0, 6))
 
     # -- exec ----------------------------------------------------------------------------
     def exec(self, name: str, argv: list[str], timeout_s: float = EXEC_DEFAULT_TIMEOUT_S,

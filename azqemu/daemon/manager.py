@@ -10,6 +10,8 @@ arguments arrive as JSON values) and delegates to the service that owns its conc
     accounting.Accounting    resident, stored and owned bytes, QEMU's own memory
     schedsvc.SchedService    what the scheduler may do (sched.actions.SchedActions), phase hints,
                              policies, the in-guest agent's reports
+    eventlog.EventLog        the events of sandboxes, libvirt's and azqemu's own (``azq events``);
+                             each service gets only its ``publish``
 
 The scheduler (``sched.scheduler``) sees only ``SchedService``, through ``SchedActions``.
 """
@@ -27,11 +29,13 @@ from typing import Any
 from azqemu import config as config_mod
 from azqemu.daemon.accounting import Accounting
 from azqemu.daemon.domainmeta import MetadataWriter
+from azqemu.daemon.eventlog import EventLog
 from azqemu.daemon.lifecycle import EXEC_DEFAULT_TIMEOUT_S, Lifecycle
 from azqemu.daemon.memsvc import MemoryService
 from azqemu.daemon.reconcile import reconcile
 from azqemu.daemon.registry import Registry
 from azqemu.daemon.schedsvc import SchedService
+from azqemu.daemon.states import State
 from azqemu.daemon.watch import DomainWatcher
 from azqemu.errors import SandboxNotFound
 from azqemu.host import doctor
@@ -52,17 +56,21 @@ class Manager:
         self.registry = Registry(self.cfg, host or Host(self.cfg.libvirt_uri),
                                  TemplateRepo(self.cfg), SandboxRepo(self.cfg))
         self._template_lock = threading.Lock()
+        self.events = EventLog()
+        self.registry.slots.on_failed = self._published_failure
         mode, why = doctor.restore_mode()
         log.info("restore mode: %s (%s)", mode, why)
         self.memory = MemoryService(self.cfg, self.registry.templates, self.registry.sandboxes,
                                     lazy_available=mode == "lazy")
+        self.memory.publish = self.events.publish
         self.accounting = Accounting(self.registry, self.memory)
-        self.lifecycle = Lifecycle(self.registry, self.memory)
-        self.schedsvc = SchedService(self.registry, self.lifecycle, self.accounting)
+        self.lifecycle = Lifecycle(self.registry, self.memory, publish=self.events.publish)
+        self.schedsvc = SchedService(self.registry, self.lifecycle, self.accounting, publish=self.events.publish)
         self.reconcile()
         self.scheduler = Scheduler(self.schedsvc)
         self.agent_links = AgentLinks(self.schedsvc.agent_sockets, self.schedsvc.on_agent_message)
-        self.watcher = DomainWatcher(self.registry, self.memory)  # domains stopped outside azqemu
+        self.watcher = DomainWatcher(self.registry, self.memory,  # domains stopped outside azqemu
+                                     eventlog=self.events)
         # State in each domain's <metadata> for virsh and Nova-style tools (daemon/domainmeta.py);
         # the API gives the labels (labels_of).
         self.labels_of: Callable[[str], dict[str, str]] | None = None
@@ -91,6 +99,9 @@ class Manager:
         self.agent_links.stop()
         self.memory.close()
         self.registry.host.close()
+
+    def _published_failure(self, name: str, was: State, reason: str) -> None:
+        self.events.publish(name, "failed", reason, reason=reason, state=was.value)
 
     def _metadata_of(self, name: str) -> tuple[dict[str, str], dict[str, str] | None] | None:
         """What ``<azq:sandbox>`` says of ``name`` now (None once it has no record)."""
@@ -178,9 +189,11 @@ class Manager:
     def op_destroy(self, name: str) -> None:
         self.lifecycle.destroy(name)
 
-    def op_events(self, since: float = 0.0) -> list[dict[str, Any]]:
-        """Recent lifecycle events of sandboxes (libvirt's, and releases of ones that ended)."""
-        return self.watcher.events(float(since))
+    def op_events(self, since: float = 0.0, sandbox: str | None = None,
+                  event: list[str] | None = None) -> list[dict[str, Any]]:
+        """Recent events of sandboxes, oldest first: libvirt's lifecycle events and azqemu's own
+        (daemon/eventlog.py); only those of ``sandbox`` and of the kinds in ``event`` if given."""
+        return self.events.events(float(since), sandbox=sandbox, kinds=event)
 
     def op_owned(self, names: list[str] | None = None) -> dict[str, Any]:
         return self.accounting.owned_all(names)

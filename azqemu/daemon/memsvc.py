@@ -14,7 +14,9 @@ held are reported failed (``failed``: name -> reason, and ``on_failed``: the lif
 state machine) and their memory is not served from anywhere else (a guest waits on a lost
 page; it never gets a template or zero page instead). A ``FaultSupervisor`` (supervisor.py)
 watches every fault handler: a dead one is started again, an unservable page retried, and a
-sandbox whose faults stay unservable is failed with the reason.
+sandbox whose faults stay unservable is failed with the reason. Each compression and each
+resume of a compressed sandbox (its hot set back) is published as an event (``publish``:
+the daemon's event log), done, cancelled or failed, with its figures.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 
 from azqemu import config as config_mod
 from azqemu.daemon import durations
+from azqemu.daemon.eventlog import Publish, discard
 from azqemu.daemon.sandboxmem import SandboxMemory
 from azqemu.daemon.supervisor import FaultSupervisor, SupervisedMemory
 from azqemu.errors import ConfigError, StoreCorrupt, StoreError, StoreForeign
@@ -38,6 +41,7 @@ from azqemu.memory.crashpoint import crash_point
 from azqemu.memory.persist import STORE_FILE, read_store
 from azqemu.memory.store import PageStore
 from azqemu.memory.template import TemplateImage
+from azqemu.pages import PAGE_SIZE
 from azqemu.sched import policy as policy_mod
 from azqemu.virt.clones import SandboxRecord, SandboxRepo
 from azqemu.virt.identity import vm_paths
@@ -69,6 +73,8 @@ class MemoryService:
         self.failed: dict[str, str] = {}
         # Told of every failure (name, reason): the lifecycle's state machine (Registry.fail).
         self.on_failed: Callable[[str, str], object] | None = None
+        # Compressions and resumes as events (the manager's event log).
+        self.publish: Publish = discard
         # Held around a detach and a supervisor's restart of a handler.
         self._handlers_guard = threading.Lock()
         self.supervisor = FaultSupervisor(self._supervised, self._fail, self._handlers_guard)
@@ -195,11 +201,12 @@ class MemoryService:
         self.supervisor.ensure_started()
         return mem
 
-    def cancel(self, name: str) -> None:
-        """Stop a compression of ``name`` in progress at its next step (if there is one)."""
+    def cancel(self, name: str, *, for_good: bool = False) -> None:
+        """Stop a compression of ``name`` in progress at its next step (if there is one);
+        ``for_good`` (a destroy): every later one too (SandboxMemory.cancel)."""
         mem = self.mem.get(name)
         if mem is not None:
-            mem.cancel()
+            mem.cancel(for_good=for_good)
 
     def detach(self, name: str) -> None:
         """Stop answering for the RAM of ``name``; its pages stay in the store."""
@@ -264,8 +271,13 @@ class MemoryService:
         if mem.owner is None:
             mem.owner = rec.uuid     # attached at clone time, before the record existed
         cpu0 = time.thread_time()
+        t0 = time.perf_counter()
         try:
             st = mem.compress()
+        except BaseException as exc:
+            self.publish(rec.name, "compress", "failed", reason=f"{type(exc).__name__}: {exc}",
+                         duration_s=round(time.perf_counter() - t0, 6))
+            raise
         finally:
             self.compress_cpu_s[rec.name] = self.compress_cpu_s.get(rec.name, 0.0) + time.thread_time() - cpu0
             mem.template.drop_mapped()
@@ -273,12 +285,16 @@ class MemoryService:
         durations.COMPRESS_SECONDS.observe(st.total_s)
         if not st.cancelled:
             self.compress_count[rec.name] = self.compress_count.get(rec.name, 0) + 1
+        stored_bytes = mem.stored_bytes()
+        self.publish(rec.name, "compress", "cancelled" if st.cancelled else "done",
+                     stored_bytes=stored_bytes, stored_pages=st.stored_pages,
+                     resident_pages=st.resident_pages, duration_s=round(st.total_s, 6))
         return {"name": rec.name, "resident_pages": st.resident_pages, "stored_pages": st.stored_pages,
                 "raw_pages": st.raw_pages, "pages": st.pages_by_kind, "bytes": st.bytes_by_kind,
                 "hot_pages": st.hot_pages, "mapped_pages": st.mapped_pages, "scan_s": st.scan_s,
                 "encode_s": st.encode_s, "punch_s": st.punch_s, "total_s": st.total_s,
                 "cancelled": st.cancelled, "unchanged_pages": st.unchanged_pages,
-                "stored_bytes": mem.stored_bytes(),
+                "stored_bytes": stored_bytes,
                 "resident_bytes": mem.resident_bytes()}
 
     def prefetch(self, name: str, *, hot: bool) -> dict[str, Any]:
@@ -286,8 +302,17 @@ class MemoryService:
         mem = self.mem.get(name)
         if mem is None or not mem.compressed:
             return {}
-        st = mem.prefetch(hot=hot)
+        t0 = time.perf_counter()
+        try:
+            st = mem.prefetch(hot=hot)
+        except BaseException as exc:
+            self.publish(name, "resume", "failed", reason=f"{type(exc).__name__}: {exc}",
+                         duration_s=round(time.perf_counter() - t0, 6))
+            raise
         durations.RESTORE_SECONDS.observe(st.total_s)
+        # Its vCPUs continue next (the lifecycle's part): libvirt's own "resumed" event.
+        self.publish(name, "resume", "done", duration_s=round(st.total_s, 6), prefetched_pages=st.prefetched_pages,
+                     prefetched_bytes=st.prefetched_pages * PAGE_SIZE)
         self.restore_count[name] = self.restore_count.get(name, 0) + 1
         return {"prefetched_pages": st.prefetched_pages, "prefetch_s": st.prefetch_s,
                 "prefetch_mib_s": st.prefetch_mib_s}

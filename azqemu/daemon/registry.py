@@ -10,9 +10,10 @@ about what runs (``reconcile`` makes the books agree at start).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from azqemu import config as config_mod
 from azqemu.daemon.states import PAUSED_BY_AZQ, Slot, SlotTable, State, parse_state
@@ -56,11 +57,22 @@ class Registry:
         except SandboxNotFound:
             return None
 
-    def lock(self, name: str) -> threading.RLock:
-        """The lock of ``name``'s operations. A name with neither slot nor record gets a lock
-        of its own that nobody shares (the caller finds no record under it)."""
-        slot = self.find_slot(name)
-        return slot.lock if slot is not None else threading.RLock()
+    @contextlib.contextmanager
+    def lock(self, name: str) -> Iterator[None]:
+        """Hold the lock of ``name``'s operations: its current slot's. A slot retired while
+        we waited for it (the sandbox went, and a clone may have taken the name again) guards
+        nothing any more: the caller would act on the new sandbox under the old lock, beside
+        whoever holds the new one. So the wait starts over on the name's current slot. A name
+        with neither slot nor record holds nothing (the caller finds no record)."""
+        while True:
+            slot = self.find_slot(name)
+            if slot is None:
+                yield
+                return
+            with slot.lock:
+                if not slot.retired:
+                    yield
+                    return
 
     def state_of(self, name: str) -> tuple[str, str | None]:
         """(state, failed reason) of a sandbox for ``azq list``/``dominfo``."""

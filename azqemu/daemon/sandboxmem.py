@@ -11,11 +11,10 @@ encode them into the store, make a store generation naming them durable (``PageS
 point their sources at the store, record the hot set (pages faulted in since the last resume),
 and only then punch the stored pages out of the memfd: a manager killed at any point restarts
 into a store that holds every page QEMU no longer has. A flush that finds no room
-(``StoreFull``) abandons the compression before anything is dropped. Resume:
-put the hot set back with UFFDIO_COPY in bulk, continue the vCPUs, serve the rest on first
-touch. A resume that arrives while a compression runs cancels it between two steps; pages
-encoded but not yet punched are simply dropped from the store (their resident copy is the
-truth).
+(``StoreFull``) abandons the compression before anything is dropped. Resume: put the hot
+set back with UFFDIO_COPY in bulk, continue the vCPUs, serve the rest on first touch. A
+resume that arrives while a compression runs cancels it between two steps; pages encoded
+but not yet punched are dropped from the store (their resident copy is the truth).
 
 Copy-on-write clones (a MAP_PRIVATE mapping of the template's RAM image, ``RamMapping.private``)
 keep everything the guest only read in the template's page cache, shared. Compress reads
@@ -96,6 +95,7 @@ class SandboxMemory:
         self._lock = threading.Lock()
         self._handler_lock = threading.Lock()
         self._cancel = threading.Event()
+        self._ending = threading.Event()   # a destroy's cancel: compress and trim never clear it
         self._uffd_socket = str(uffd_socket)
         self.handle: UffdHandle = UffdExport.connect(self._uffd_socket, EXPORT_CONNECT_TIMEOUT_S)
         self.block = self._main_block(self.handle)
@@ -206,8 +206,11 @@ class SandboxMemory:
             if self._template_src is not None:
                 self._template_src.close()
 
-    def cancel(self) -> None:
-        """Ask a running compression to stop at its next step."""
+    def cancel(self, *, for_good: bool = False) -> None:
+        """Ask a running compression to stop at its next step; ``for_good`` (a destroy): and
+        every later one, also one that starts after this call and clears the plain cancel."""
+        if for_good:
+            self._ending.set()
         self._cancel.set()
 
     def resident_bytes(self) -> int:
@@ -260,14 +263,12 @@ class SandboxMemory:
             # last resume, by a fault (touched, read or written: MISSING faults on both) or by
             # the prefetch (it did not fault because it was already there). Without the
             # second part the set would flip between two halves from one wait to the next.
-            # Prefetched pages that went untouched cannot be told apart here (no idle-page
-            # tracking in this kernel), so the set is the union of the working sets seen,
-            # less the prefetched pages a trim dropped unused in a long tool call (trim).
-            # Ageing out pages only the prefetch kept, by phases, was measured worse: a tool
-            # that runs every few phases (the unit tests) lost its pages to the ageing and
-            # paid thousands of faults when it came back, each a round trip to this process
-            # on a host whose cores the guests keep busy. For a copy-on-write clone most of
-            # the set is template and zero pages, which cost nothing mapped.
+            # Untouched prefetched pages cannot be told apart here (no idle-page tracking in
+            # this kernel): the set is the union of the working sets seen, less prefetched
+            # pages a trim dropped unused in a long tool call. Ageing out pages only the
+            # prefetch kept, by phases, was measured worse: a tool that runs every few phases
+            # lost its pages and paid thousands of faults, each a round trip to this process.
+            # For a copy-on-write clone most of the set is template and zero pages (free).
             # It is known before encoding: the next resume puts these pages back before the
             # vCPUs continue, so for a lazy clone the store encodes them for decode speed
             # (PageStore.encode's hot).
@@ -481,7 +482,7 @@ class SandboxMemory:
         return self.store.entries_match(self.name, idx, key, check)
 
     def _check_cancel(self, done: int = 0) -> None:
-        if self._cancel.is_set():
+        if self._cancel.is_set() or self._ending.is_set():
             raise CompressCancelled(self.name, done)
 
     def _punch(self, stored: np.ndarray) -> None:

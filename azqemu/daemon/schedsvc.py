@@ -5,15 +5,23 @@ sandbox still waiting, compress and run on, page out, QEMU's pid and resident by
 of the lifecycle and accounting services. It also takes the phase observations that do not
 come from azqemu's own exec calls: an orchestrator's hints (``azq phase``) and the in-guest
 agent's reports, and sets a sandbox's policy.
+
+It publishes a ``phase`` event whenever a sandbox's phase moves (tool, wait, a new wait),
+with the ``signal`` that decided it (hint, exec, agent, host). Hints and agent reports are
+seen as they arrive; exec calls and host samples feed the trackers elsewhere, so the phases
+are also looked at whenever the scheduler reads ``sched_states`` (every tick, 0.1 s): a tool
+call shorter than a tick may show only as the new wait it ended with.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from azqemu.daemon.accounting import Accounting
+from azqemu.daemon.eventlog import Publish, discard
 from azqemu.daemon.lifecycle import Lifecycle
 from azqemu.daemon.registry import Registry
 from azqemu.daemon.states import State
@@ -22,19 +30,46 @@ from azqemu.host.reclaim import pageout
 from azqemu.sched import policy as policy_mod
 from azqemu.sched.actions import SchedState
 from azqemu.sched.agent_channel import AgentMessage
+from azqemu.sched.phases import UNKNOWN
 from azqemu.sched.policy import TRIM_EVERY_S
 from azqemu.virt.identity import vm_paths
 
 
 class SchedService:
-    def __init__(self, registry: Registry, lifecycle: Lifecycle, accounting: Accounting) -> None:
+    def __init__(self, registry: Registry, lifecycle: Lifecycle, accounting: Accounting, *,
+                 publish: Publish = discard) -> None:
         self.reg = registry
         self.lifecycle = lifecycle
         self.accounting = accounting
+        self.publish = publish
+        self._phase_mu = threading.Lock()
+        self._published_phase: dict[str, tuple[str, float]] = {}   # name -> (phase, since_s)
+
+    def note_phases(self) -> None:
+        """Publish the phase of every sandbox whose phase moved since it was last published."""
+        states = dict(self.reg.sched)
+        for name, st in states.items():
+            self._note_phase(name, st)
+        with self._phase_mu:
+            for gone in set(self._published_phase) - set(states):
+                del self._published_phase[gone]
+
+    def _note_phase(self, name: str, st: SchedState) -> None:
+        ph = st.tracker.current()
+        if ph.phase == UNKNOWN:
+            return      # nothing seen yet (its since_s is "now" at every call)
+        with self._phase_mu:
+            if self._published_phase.get(name) == (ph.phase, ph.since_s):
+                return
+            self._published_phase[name] = (ph.phase, ph.since_s)
+            self.publish(name, "phase", f"{ph.phase} ({ph.source})", phase=ph.phase, signal=ph.source)
 
     # -- sched.actions.SchedActions ------------------------------------------------------
     @property
     def sched_states(self) -> Mapping[str, SchedState]:
+        # The scheduler's once-per-tick look: phases moved by exec calls and host samples
+        # are published from here.
+        self.note_phases()
         return self.reg.sched
 
     def compress_if_idle(self, name: str, st: SchedState) -> None:
@@ -87,6 +122,7 @@ class SchedService:
             st.tracker.hint(phase)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        self._note_phase(name, st)
         out: dict[str, Any] = {"name": name, "phase": phase}
         if phase == "tool" and name in self.reg.paused_by_azq:
             self.lifecycle.memory.cancel(name)
@@ -115,3 +151,4 @@ class SchedService:
         st = self.reg.sched.get(name)
         if st is not None:
             st.tracker.agent_event(msg.phase)
+            self._note_phase(name, st)

@@ -84,19 +84,23 @@ def parse_state(value: object, default: State = S.RUNNING) -> State:
 # Called with (name, state, reason) after every change, under the slot's mutex: the
 # registry writes the state into the sandbox's record.
 OnChange = Callable[[str, State, "str | None"], None]
+# Called with (name, the state it was in, reason) when a sandbox becomes failed, also under
+# the mutex (whichever thread failed it): the manager's event log (never blocks).
+OnFailed = Callable[[str, State, str], None]
 
 
 class Slot:
     """One sandbox's lifecycle state, its reason, and the lock its operations hold."""
 
     def __init__(self, name: str, state: State = S.CREATING, reason: str | None = None, *,
-                 on_change: OnChange | None = None) -> None:
+                 on_change: OnChange | None = None, on_failed: OnFailed | None = None) -> None:
         self.name = name
         self.lock = threading.RLock()
         self._mu = threading.Lock()
         self._state = state
         self._reason = reason if state is S.FAILED else None
         self._on_change = on_change
+        self._on_failed = on_failed
         self._execs = 0              # guest-agent commands under way (outside the lock)
         self._destroy_requested = False
         self._retired = False
@@ -149,10 +153,13 @@ class Slot:
             return True
 
     def _set(self, new: State, reason: str | None) -> None:
+        old = self._state
         self._state = new
         self._reason = (reason or "unknown cause")[:MAX_REASON_CHARS] if new is S.FAILED else None
         if self._on_change is not None:
             self._on_change(self.name, new, self._reason)
+        if new is S.FAILED and old is not S.FAILED and self._on_failed is not None:
+            self._on_failed(self.name, old, self._reason or "")
 
     def require(self, operation: str, allowed: Iterable[State]) -> State:
         """The current state if it is one of ``allowed``; SandboxStateError otherwise."""
@@ -188,6 +195,12 @@ class SlotTable:
         self._slots: dict[str, Slot] = {}
         self._guard = threading.Lock()
         self._on_change = on_change
+        # Told when any slot becomes failed (set by the manager: its event log).
+        self.on_failed: OnFailed | None = None
+
+    def _failed(self, name: str, old: State, reason: str) -> None:
+        if self.on_failed is not None:
+            self.on_failed(name, old, reason)
 
     def get(self, name: str) -> Slot | None:
         with self._guard:
@@ -199,7 +212,8 @@ class SlotTable:
             slot = self._slots.get(name)
             if slot is None:
                 st, reason = state()
-                slot = self._slots[name] = Slot(name, st, reason, on_change=self._on_change)
+                slot = self._slots[name] = Slot(name, st, reason, on_change=self._on_change,
+                                                on_failed=self._failed)
             return slot
 
     def add(self, name: str, state: State = S.CREATING, reason: str | None = None, *,
@@ -210,7 +224,8 @@ class SlotTable:
             old = self._slots.get(name)
             if old is not None and not old.retired and not replace:
                 raise SandboxStateError(name, old.state.value, "be created again")
-            slot = self._slots[name] = Slot(name, state, reason, on_change=self._on_change)
+            slot = self._slots[name] = Slot(name, state, reason, on_change=self._on_change,
+                                            on_failed=self._failed)
         if old is not None and old is not slot:
             old.retire()
         return slot

@@ -8,9 +8,10 @@ in the store, forgets its scheduling state, removes its record and per-VM direct
 
 Events arrive on libvirt's event thread and are only queued there; one worker thread does
 the work under the sandbox's lock, so a destroy or clone azqemu itself is doing finishes
-first (its own destroy removes the record: the event then finds nothing to do). The newest
-events are kept for ``op_events`` (``azq``-visible) and ``lost_total`` counts the sandboxes
-lost this way, by cause.
+first (its own destroy removes the record: the event then finds nothing to do). The events
+of sandboxes go into the daemon's event log (``daemon/eventlog.py``, ``source="libvirt"``;
+a release is azqemu's own, ``released``) and ``lost_total`` counts the sandboxes lost this
+way, by cause.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ import contextlib
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from azqemu.daemon.eventlog import LIBVIRT, EventLog
 from azqemu.daemon.memsvc import MemoryService
 from azqemu.daemon.registry import Registry
 from azqemu.errors import AzqemuError, DomainNotFound
@@ -31,7 +32,6 @@ from azqemu.virt.identity import remove_vm_dir
 
 log = logging.getLogger(__name__)
 
-RECENT_EVENTS = 256
 # Events after which a domain may be gone: its state is checked before anything is done.
 ENDINGS = frozenset({"stopped", "undefined", "crashed"})
 LIVE_STATES = frozenset({"running", "paused", "blocked", "pmsuspended"})
@@ -45,14 +45,15 @@ class EventSource(Protocol):
 
 class DomainWatcher:
     def __init__(self, registry: Registry, memory: MemoryService,
-                 source_factory: Callable[[Callable[[str, str, str], None]], EventSource] | None = None) -> None:
+                 source_factory: Callable[[Callable[[str, str, str], None]], EventSource] | None = None,
+                 eventlog: EventLog | None = None) -> None:
         self.reg = registry
         self.memory = memory
+        self.eventlog = eventlog if eventlog is not None else EventLog()
         self._source_factory = source_factory
         self._source: EventSource | None = None
         self._queue: queue.Queue[tuple[str, str, str] | None] = queue.Queue()
         self._worker: threading.Thread | None = None
-        self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT_EVENTS)
         self.lost_total: collections.Counter[str] = collections.Counter()
 
     def start(self) -> None:
@@ -83,7 +84,7 @@ class DomainWatcher:
         """From libvirt's event thread: note it, queue the work, return at once."""
         if not self.reg.sandboxes.path(name).exists():
             return  # not one of ours (another manager's, a template build, a foreign domain)
-        self.recent.append({"time": time.time(), "sandbox": name, "event": event, "detail": detail})
+        self.eventlog.publish(name, event, detail, source=LIBVIRT)
         if event in ENDINGS:
             self._queue.put((name, event, detail))
 
@@ -115,7 +116,7 @@ class DomainWatcher:
                 return False
             cause = f"{event}-{detail}"
             log.warning("sandbox %s ended outside azqemu (%s, domain %s): releasing it", name, cause, state)
-            self.memory.cancel(name)
+            self.memory.cancel(name, for_good=True)
             self.memory.release(name)
             remove_vm_dir(name)
             reg.sandboxes.remove(name)
@@ -123,8 +124,8 @@ class DomainWatcher:
             # and would then outlive it and keep the name taken.
             reg.forget(name)
             self.lost_total[detail if event == "stopped" else event] += 1
-            self.recent.append({"time": time.time(), "sandbox": name, "event": "released", "detail": cause})
+            self.eventlog.publish(name, "released", cause)
             return True
 
     def events(self, since: float = 0.0) -> list[dict[str, Any]]:
-        return [e for e in list(self.recent) if e["time"] > since]
+        return self.eventlog.events(since)

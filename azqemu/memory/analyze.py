@@ -43,6 +43,26 @@ def path_resolver(name: str) -> RamSource:
     return name
 
 
+def kind_ratios(pages: dict[str, int], stored_bytes: dict[str, int]) -> dict[str, dict[str, Any]]:
+    """Per representation: the bytes its pages held (``bytes_before``), the payload bytes
+    stored for them (``bytes_after``: RAW pages count whole, ZERO and TEMPLATE nothing, a DUP
+    nothing beyond the blob its first holder paid for) and ``ratio`` = before / after (None
+    where nothing is stored). Metadata (blob rows, their index entries, the sandboxes'
+    indexes) is not split per kind: ``metadata_fraction`` gives its share of the whole."""
+    out = {}
+    for kind, n in pages.items():
+        before, after = int(n) * PAGE_SIZE, int(stored_bytes.get(kind, 0))
+        out[kind] = {"pages": int(n), "bytes_before": before, "bytes_after": after,
+                     "ratio": before / after if after else None}
+    return out
+
+
+def metadata_fraction(blob_metadata_bytes: int, index_bytes: int, total_after_bytes: float) -> float:
+    """(blob metadata + index bytes) / everything the sandboxes own afterwards (payloads,
+    metadata, indexes, RAW pages): the share of the output that is bookkeeping."""
+    return (blob_metadata_bytes + index_bytes) / total_after_bytes if total_after_bytes else 0.0
+
+
 def analyze_images(template: TemplateImage, sandboxes: list[tuple[str, np.ndarray, np.ndarray]], *,
                    domain: str = "analyze", store_dir: str | os.PathLike[str] | None = None,
                    zstd_level: int = DEFAULT_LEVEL, effort: int | None = None,
@@ -101,6 +121,8 @@ def analyze_images(template: TemplateImage, sandboxes: list[tuple[str, np.ndarra
                 "bytes": bytes_by_kind,
                 "index_bytes": dom.index_bytes,
                 "blob_metadata_bytes": dom.blob_bytes - dom.payload_bytes,
+                "metadata_fraction": metadata_fraction(dom.blob_bytes - dom.payload_bytes, dom.index_bytes, after),
+                "by_kind": kind_ratios(pages_by_kind, bytes_by_kind),
                 "codec_attempts": tries,
                 "zstd_level": zstd_level,
                 "zstd_backend": store.zstd.backend,

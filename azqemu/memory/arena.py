@@ -11,17 +11,25 @@ blobs are written back to back and a sandbox's blobs die together when it is com
 again, so most dead bytes leave tmpfs soon after they die, current arena included. An arena
 that holds only dead bytes is unlinked; one whose live share of what tmpfs holds for it falls below
 ``COMPACT_LIVE_FRACTION`` is compacted by the store (the current arena too), which moves its live blobs to the current
-arena (it owns the table of locations) and then drops the file. After a reopen the counts
+arena (it owns the table of locations; compaction.py) and then drops the file. After a reopen the counts
 start from zero (pages already punched stay holes; the others wait for compaction).
 
 Write-ahead order (docs/memory.md, "Crash consistency"): space a durable generation still
 names is reclaimed only after a newer generation that does not name it is durable. The set
 remembers, per arena, how far the last durable generation reaches (``durable``: arena id ->
-its ``used`` then). A dead blob below that mark waits in ``pending_release`` and an arena
-that generation names waits in ``pending_drop`` (closed, its file kept, its id not reused)
-until ``commit`` is called with the newer generation; a blob or arena written after the last
-commit is reclaimed at once (nothing on disk names it). Arena ids are the lowest free ones
-(ids are u16 in the blob table): ids of dropped arenas come back, never past 65,535.
+its ``used`` then) and, while a flush writes the next one outside the store's lock, how far
+that one reaches (``inflight``, set by ``begin_flush``). A dead blob below either mark waits in
+``pending_release`` and an arena either names waits in ``pending_drop`` (closed, its file
+kept, its id not reused). ``begin_flush`` hands what is pending then to the generation being
+written, and ``finish_flush`` reclaims it once that generation is durable; what dies while it
+is written waits for the generation after it (that one may still name it). A blob or arena
+written after the last snapshot is reclaimed at once (nothing on disk names it). Arena ids are
+the lowest free ones (ids are u16 in the blob table): ids of dropped arenas come back, never
+past 65,535.
+
+Space is taken in two steps, ``reserve`` (the fill level moves, under the store's lock) and
+``write_spans`` (pwrite(2) of the bytes): an encode does both under the lock; a compaction
+reserves under it and writes outside it, with file descriptors of its own (compaction.py).
 
 On-disk form of an arena file: a 4 KiB header page, then payloads.
     header: magic "AZQARENA" | u32 version | u32 arena id | 16 bytes store uuid |
@@ -113,6 +121,11 @@ class ArenaSet:
         self.pending_release: list[tuple[int, np.ndarray, np.ndarray]] = []
         self.pending_bytes: dict[int, int] = {}
         self.pending_drop: dict[int, Path] = {}
+        # The generation a flush is writing (begin_flush .. finish_flush / abort_flush): how far
+        # it reaches per arena, and what its commit reclaims.
+        self.inflight: dict[int, int] = {}
+        self._flush_release: list[tuple[int, np.ndarray, np.ndarray]] = []
+        self._flush_drop: dict[int, Path] = {}
         self._written: set[int] = set()     # arenas appended to since the last flush
 
     @staticmethod
@@ -121,7 +134,7 @@ class ArenaSet:
 
     # -- lifecycle ----------------------------------------------------------------------
     def _new_arena(self) -> Arena:
-        taken = self.arenas.keys() | self.pending_drop.keys()
+        taken = self.arenas.keys() | self.pending_drop.keys() | self._flush_drop.keys()
         for arena_id in range(MAX_ARENAS):
             if arena_id in taken:
                 continue
@@ -193,24 +206,73 @@ class ArenaSet:
         self.arenas.clear()
         self.current = None
 
-    def flush(self) -> None:
-        """Make the payloads written since the last flush durable (before a generation names
-        them). fdatasync(2): a no-op on tmpfs, real on a disk-backed store."""
-        for aid in sorted(self._written):
+    def begin_flush(self) -> list[tuple[int, int]]:
+        """A generation naming the arenas as they are now (up to their ``used``) is about to be
+        written outside the store's lock: from now on a blob or arena below its marks is
+        reclaimed only after a later generation (module docstring). Returns (arena id, fd) of
+        the arenas appended to since the last flush, each fd a dup(2) the caller syncs with
+        ``sync_fds`` without the lock (the arena may be closed meanwhile) and closes.
+        Called under the store's lock; one flush at a time (the store's flush lock)."""
+        fds: list[tuple[int, int]] = []
+        try:
+            for aid in sorted(self._written):
+                if aid in self.arenas:
+                    fds.append((aid, os.dup(self.arenas[aid].fd)))
+        except BaseException:
+            for _aid, fd in fds:
+                os.close(fd)
+            raise
+        self.inflight = {aid: a.used for aid, a in self.arenas.items()}
+        self._flush_release, self.pending_release = self.pending_release, []
+        self._flush_drop, self.pending_drop = self.pending_drop, {}
+        self._written = set()
+        return fds
+
+    @staticmethod
+    def sync_fds(root: Path, fds: list[tuple[int, int]]) -> None:
+        """Make the payloads written before ``begin_flush`` durable before a generation names
+        them: fdatasync(2) of each fd (a no-op on tmpfs, real on a disk). No lock needed."""
+        for aid, fd in fds:
+            try:
+                os.fdatasync(fd)
+            except OSError as err:
+                if is_no_space(err):
+                    raise StoreFull(str(root / ArenaSet.file_name(aid)), "arena data could not be synced") from err
+                raise
+
+    def finish_flush(self) -> list[Path]:
+        """The generation of the last ``begin_flush`` is durable: its marks become ``durable``
+        and what only older generations named is reclaimed (dead blobs counted and punched).
+        Returns the files of the arenas it dropped, for the caller to unlink outside the lock
+        (their ids are free again: a new arena that finds a file still there takes another)."""
+        self.durable, self.inflight = self.inflight, {}
+        batch, self._flush_release = self._flush_release, []
+        for aid, offsets, lengths in batch:
             a = self.arenas.get(aid)
-            if a is not None:
-                try:
-                    os.fdatasync(a.fd)
-                except OSError as err:
-                    if is_no_space(err):
-                        raise StoreFull(str(a.path), "arena data could not be synced") from err
-                    raise
-        self._written.clear()
+            if a is not None:           # else dropped meanwhile: its file goes with a later commit
+                self._count_dead(a, offsets, lengths)
+        self.pending_bytes = {}
+        for aid, _offsets, lengths in self.pending_release:
+            self.pending_bytes[aid] = self.pending_bytes.get(aid, 0) + int(lengths.sum())
+        drops, self._flush_drop = self._flush_drop, {}
+        return list(drops.values())
+
+    def abort_flush(self, fds: list[tuple[int, int]]) -> None:
+        """The generation of the last ``begin_flush`` was not committed: ``durable`` stays, what
+        it would have reclaimed waits again, and the arenas it synced are synced next time."""
+        self.inflight = {}
+        self.pending_release = self._flush_release + self.pending_release
+        self._flush_release = []
+        self.pending_drop.update(self._flush_drop)
+        self._flush_drop = {}
+        self._written.update(aid for aid, _fd in fds if aid in self.arenas)
 
     def commit(self) -> None:
         """A generation naming exactly the arenas in ``self.arenas`` (up to their ``used``) is
-        durable: reclaim what only older generations named (pending dead blobs are counted and
-        punched, pending arenas unlinked, their ids free again)."""
+        durable (the one just loaded: no flush in flight): reclaim what only older generations
+        named (pending dead blobs are counted and punched, pending arenas unlinked, their ids
+        free again)."""
+        assert not self.inflight, "commit() with a flush in flight"
         self.durable = {aid: a.used for aid, a in self.arenas.items()}
         pending, self.pending_release = self.pending_release, []
         self.pending_bytes = {}
@@ -248,18 +310,38 @@ class ArenaSet:
 
         As many payloads as fit in the current arena are written with one pwrite(2), not a
         store through the mapping: on tmpfs that is ~1.8x faster than page-faulting fresh
-        pages in, and the shared mapping sees the data coherently.
+        pages in, and the shared mapping sees the data coherently. The caller holds the
+        store's lock throughout (reserve and write).
         """
+        ids, offs, spans = self.reserve(lengths)
+        try:
+            self.write_spans(data, [(a.fd, start, base, size) for a, start, base, size in spans])
+        except BaseException as err:
+            # ENOSPC (StoreFull): the fill levels are put back; nothing names the bytes
+            # written, the next append overwrites them. Nothing was reserved after these
+            # spans: the lock was held since.
+            for a, start, _base, size in reversed(spans):
+                a.used, a.live = start, a.live - size
+            if isinstance(err, OSError) and is_no_space(err):
+                raise StoreFull(str(self.root), "no room for encoded pages") from err
+            raise
+        self._written.update(a.arena_id for a, _start, _base, _size in spans)
+        return ids, offs
+
+    def reserve(self, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[tuple[Arena, int, int, int]]]:
+        """Take room for payloads of ``lengths`` (back to back) in the current arena and new
+        ones as they fill: returns (arena ids, offsets, spans), a span being (arena, file
+        offset, offset in the payloads, size) for one pwrite. The room counts as used and
+        live at once, so that nothing drops or overwrites it before it is written (or given
+        back with ``release_many``). Called under the store's lock; raises StoreFull (nothing
+        reserved) when no new arena can be made."""
         lengths = np.asarray(lengths, dtype=np.int64)
         n = len(lengths)
         ids = np.zeros(n, dtype=np.uint16)
         offs = np.zeros(n, dtype=np.uint32)
         ends = np.cumsum(lengths)
-        view = memoryview(data)
+        spans: list[tuple[Arena, int, int, int]] = []
         i = 0
-        # On a failure (ENOSPC: StoreFull) the fill levels are put back: nothing names the
-        # bytes written, the next append overwrites them.
-        touched: list[tuple[Arena, int, int]] = []
         try:
             while i < n:
                 a = self.current
@@ -271,24 +353,31 @@ class ArenaSet:
                 if j <= i:
                     raise ValueError("payload larger than an arena")
                 size = int(ends[j - 1]) - base
-                start = a.used
-                touched.append((a, a.used, a.live))
-                self._written.add(a.arena_id)
-                done = 0
-                while done < size:
-                    done += os.pwrite(a.fd, view[base + done:base + size], start + done)
+                spans.append((a, a.used, base, size))
                 ids[i:j] = a.arena_id
-                offs[i:j] = start + (ends[i:j] - lengths[i:j] - base)
+                offs[i:j] = a.used + (ends[i:j] - lengths[i:j] - base)
                 a.used += size
                 a.live += size
                 i = j
-        except BaseException as err:
-            for a, used, live in touched:
-                a.used, a.live = used, live
-            if isinstance(err, OSError) and is_no_space(err):
-                raise StoreFull(str(self.root), "no room for encoded pages") from err
+        except BaseException:
+            for a, start, _base, size in reversed(spans):
+                a.used, a.live = start, a.live - size
             raise
-        return ids, offs
+        return ids, offs, spans
+
+    @staticmethod
+    def write_spans(data: bytes | np.ndarray, spans: list[tuple[int, int, int, int]]) -> None:
+        """pwrite(2) the reserved spans (fd, file offset, offset in ``data``, size). No lock
+        needed: nothing reads reserved room before the blob table names it."""
+        view = (data.data if isinstance(data, np.ndarray) else memoryview(data)).cast("B")
+        for fd, start, base, size in spans:
+            done = 0
+            while done < size:
+                done += os.pwrite(fd, view[base + done:base + size], start + done)
+
+    def mark_written(self, arena_ids: list[int]) -> None:
+        """Arenas written outside the lock (a compaction's copies): synced by the next flush."""
+        self._written.update(aid for aid in arena_ids if aid in self.arenas)
 
     def read(self, arena_id: int, offset: int, length: int) -> bytes:
         a = self.arenas.get(arena_id)
@@ -357,7 +446,9 @@ class ArenaSet:
             known = sel & (offsets >= 0)
             if not known.any():
                 continue
-            named = known & (offsets < self.durable.get(aid, ARENA_HEADER_BYTES))
+            # Named by the last durable generation or by the one a flush is writing.
+            mark = max(self.durable.get(aid, ARENA_HEADER_BYTES), self.inflight.get(aid, ARENA_HEADER_BYTES))
+            named = known & (offsets < mark)
             if named.any():
                 self.pending_release.append((aid, offsets[named], lengths[named]))
                 self.pending_bytes[aid] = self.pending_bytes.get(aid, 0) + int(lengths[named].sum())
@@ -395,35 +486,21 @@ class ArenaSet:
                 a.punched_bytes += length
 
     def drop(self, arena_id: int) -> None:
-        """Close an arena nothing live is in any more; its file is unlinked now, or at the next
-        ``commit`` if the last durable generation names it."""
+        """Close an arena nothing live is in any more; its file is unlinked now, or after the
+        next commit if the last durable generation (or the one being written) names it."""
         a = self.arenas.pop(arena_id)
         if self.current is a:
             self.current = None
         self._written.discard(arena_id)
         a.mm.close()
         os.close(a.fd)
-        if arena_id in self.durable:
+        if arena_id in self.durable or arena_id in self.inflight:
             self.pending_drop[arena_id] = a.path
             return
         try:
             os.unlink(a.path)
         except FileNotFoundError:
             pass
-
-    def compact(self, arena_id: int, rows: np.ndarray) -> None:
-        """Move the live blobs of an arena to the current one (``rows``: the blob table's rows,
-        their locations updated in place), then drop it: closed now, its file unlinked at the
-        next commit if the last durable generation names it."""
-        live = np.flatnonzero((rows["refcount"] > 0) & (rows["arena"] == arena_id))
-        payloads = [self.read(arena_id, int(rows["offset"][b]), int(rows["length"][b])) for b in live]
-        if self.current is not None and self.current.arena_id == arena_id:
-            self.retire_current()
-        locs = self.append(payloads)
-        for b, (a, o) in zip(live, locs):
-            rows["arena"][b] = a
-            rows["offset"][b] = o
-        self.drop(arena_id)
 
     def compaction_candidates(self) -> list[int]:
         """Arenas whose live bytes are under COMPACT_LIVE_FRACTION of what tmpfs holds for

@@ -8,12 +8,17 @@ when it is unset, ``crash_point`` is one comparison with None.
 
 Points (where they are, and what a restart must find):
     after-encode              sandboxmem: pages encoded in memory, nothing durable, nothing dropped
+    after-flush-snapshot      storewrite: what the next generation holds taken (state lock let go),
+                              nothing of it written yet
     between-generation-files  generation: after each new index file, before the store file names it
-    after-commit              generation: the new store file renamed in, nothing reclaimed yet
-    after-reclaim             generation: old files unlinked, dead blobs punched, arenas dropped
+    after-commit              storewrite: the new store file renamed in, nothing reclaimed yet
+    after-reclaim             storewrite: old files unlinked, dead blobs punched, arenas dropped
     after-flush               sandboxmem: the generation naming the pages is durable, none dropped
     after-discard-batch       sandboxmem: after each punch run / DISCARD request to QEMU
     after-free-compact        store: a sandbox freed (and arenas compacted) in memory, not flushed
+    after-compact-copy        storewrite: an arena's live blobs copied to reserved room, not switched
+    after-compact-switch      storewrite: the blobs point at their new places (in memory), the old
+                              arena closed, its file kept until a generation naming them is durable
     after-pause               lifecycle: state ``compressing`` recorded, vCPUs paused, nothing encoded
   the resume path (a restart must find the sandbox ``compressed``, or ``running`` after the
   last one, and serve every page):
@@ -40,8 +45,8 @@ from collections.abc import Callable
 # The store's and the compression's points (tests/unit/memory/test_crash_points.py tries each
 # on a simulated guest), and the daemon's lifecycle points (tests/integration/test_crash_compress.py,
 # on real guests).
-POINTS = ("after-encode", "between-generation-files", "after-commit", "after-reclaim", "after-flush",
-          "after-discard-batch", "after-free-compact")
+POINTS = ("after-encode", "after-flush-snapshot", "between-generation-files", "after-commit", "after-reclaim",
+          "after-flush", "after-discard-batch", "after-free-compact", "after-compact-copy", "after-compact-switch")
 LIFECYCLE_POINTS = ("after-pause", "before-prefetch", "after-prefetch", "after-vcpu-resume", "after-reattach")
 
 

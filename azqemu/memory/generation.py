@@ -8,16 +8,25 @@ and ``validate_generation`` recomputes every bound and reference count of a load
 state and refuses any mismatch as ``StoreCorrupt``. The byte formats of the store and index
 files are persist.py's; arena files are arena.py's.
 
-``write_generation`` is ordered like a write-ahead log; a crash (SIGKILL) at any point leaves
-either the old generation or the new one, whole:
-    1. arena payloads synced (fdatasync; tmpfs: nothing to do);
-    2. each changed sandbox's index under a NEW name (``sbx-<h>-g<gen>.azqidx``: write to a
-       temporary name, fsync, rename); the old generation's files are not touched;
-    3. the store file naming those files (temporary name, fsync, rename over ``store.azq``),
-       then fsync of the directory: the commit point;
-    4. only then what only the old generation named goes: its index files are unlinked, dead
-       blobs it named are punched, arenas it named and nothing names now are unlinked
-       (``ArenaSet.commit``).
+A generation is written in three steps so that the slow I/O (writes, fsyncs) happens outside
+the store's state lock, which every fault's lookup needs (PageStore.flush drives them, holding
+its flush lock throughout, so one generation is written at a time and in number order):
+    ``snapshot_generation`` (under the state lock): what the generation must contain, copied or
+        referenced (the blob table rows copied; sandbox indices and RAW lists are replaced on
+        every change, never changed in place, so references stay valid), the arena fds to sync
+        dup(2)ed, and the arena marks handed to ``ArenaSet.begin_flush``;
+    ``write_snapshot`` (no lock), ordered like a write-ahead log; a crash (SIGKILL) at any
+        point leaves either the old generation or the new one, whole:
+        1. arena payloads synced (fdatasync; tmpfs: nothing to do);
+        2. each changed sandbox's index under a NEW name (``sbx-<h>-g<gen>.azqidx``: write to a
+           temporary name, fsync, rename); the old generation's files are not touched;
+        3. the store file naming those files (temporary name, fsync, rename over ``store.azq``),
+           then fsync of the directory: the commit point;
+    publishing (PageStore.flush, under the state lock again): the generation number, each
+        written sandbox's file, then ``ArenaSet.finish_flush`` reclaims what only older
+        generations named (dead blobs punched; space that died after the snapshot waits for
+        the next generation, which may be the first not to name it), and without the lock
+        ``remove_unnamed`` unlinks the index files and arenas no durable generation names.
 Loading takes the generation ``store.azq`` names and sweeps every other store file (index
 files and arenas of a newer generation that never committed, of an older one whose unlink a
 crash interrupted, temporary files). A sandbox whose index file is unreadable or inconsistent
@@ -88,31 +97,129 @@ class LoadedGeneration:
     tombstones: dict[str, str | None] = field(default_factory=dict)
 
 
-def write_generation(root: Path, uuid: bytes, generation: int, table: BlobTable, arenas: ArenaSet,
-                     sandboxes: dict[str, StoredSandbox], template_paths: dict[str, dict[str, Any]],
-                     dirty: set[str], tombstones: dict[str, str | None] | None = None) -> None:
-    """Write generation number ``generation`` under ``root`` and commit it (PageStore.flush),
-    in the order of the module docstring.
+@dataclass
+class GenerationSnapshot:
+    """What one generation holds, taken under the state lock (``snapshot_generation``)."""
 
-    The caller holds the store's state lock. On success the ``dirty`` set is emptied and each
-    written sandbox's ``file`` names its new index file. On a failure (``StoreFull``, any
-    OSError) before the commit point the previous generation stays the durable one, the new
-    files are removed, ``dirty`` is kept and nothing was reclaimed.
-    """
-    arenas.flush()
-    written: dict[str, str] = {}
+    generation: int
+    meta: dict[str, Any]
+    rows: bytes | memoryview                          # the blob table's rows (a copy)
+    # Per domain (in did order): its similarity index and the parts not merged into it yet;
+    # merged, and purged of ``dead``, outside the lock (``_binary``).
+    sims: list[tuple[SimilarityIndex, list[SimilarityIndex]]]
+    dead: list[int]                                   # ids freed but still in a similarity index
+    free: list[int]                                   # sorted outside the lock into meta["free"]
+    # (record, file name, index, RAW pages) of each sandbox whose index file is written anew.
+    indices: list[tuple[StoredSandbox, str, SandboxIndex, np.ndarray]]
+    named: set[str]                                   # every index file the generation names
+    sync_fds: list[tuple[int, int]]                   # (arena id, dup fd) to fdatasync, then close
+    dirty: set[str]                                   # the dirty set it took (given back on failure)
+    synced: set[int] = field(default_factory=set)     # arena ids already synced (a retry skips them)
+    binary: list[bytes | memoryview] | None = None    # the store file's binary part, once built
+
+
+def rows_buffer(n_blobs: int) -> np.ndarray:
+    """Room for a copy of ``n_blobs`` blob-table rows and some more, its pages touched: made
+    before the state lock is taken, so that the copy under it is one memcpy (a fresh buffer
+    of tens of MiB costs more in page faults than in copying)."""
+    buf = np.empty((n_blobs + n_blobs // 8 + 1024) * BLOB_DTYPE.itemsize, dtype=np.uint8)
+    buf.fill(0)
+    return buf
+
+
+def snapshot_generation(uuid: bytes, generation: int, table: BlobTable, arenas: ArenaSet,
+                        sandboxes: dict[str, StoredSandbox], template_paths: dict[str, dict[str, Any]],
+                        dirty: set[str], tombstones: dict[str, str | None],
+                        rows_buf: np.ndarray | None = None) -> GenerationSnapshot:
+    """Everything generation number ``generation`` must contain (module docstring), taken
+    under the store's state lock: copies and references only, the rows copied into
+    ``rows_buf`` (``rows_buffer``) when it is large enough. Empties ``dirty`` (what changes
+    from now on is marked again and goes into the next generation) and starts the flush of
+    ``arenas``; the caller gives both back with ``abort_snapshot`` if the generation is not
+    committed, and closes the snapshot's fds (``close_snapshot``) in any case."""
+    files: dict[str, str] = {}
+    indices = []
+    for s in sandboxes.values():
+        if s.name in dirty:
+            f = index_file_name(s.name, generation)
+            indices.append((s, f, s.index, s.raw))
+        elif s.file is None:
+            raise AssertionError(f"sandbox {s.name!r} changed but was not marked dirty")
+        else:
+            f = s.file
+        files[s.name] = f
+    domains = sorted(table.domains.values(), key=lambda d: d.did)
+    meta = {
+        "store_uuid": uuid.hex(),
+        "generation": generation,
+        "tombstones": dict(tombstones),
+        "n_blobs": table.n,
+        "templates": {k: dict(v) for k, v in template_paths.items()},
+        "domains": [{"name": d.name, "did": d.did, "template_id": d.template_id} for d in domains],
+        "sandboxes": [{"name": s.name, "domain": s.domain.name, "template_id": s.template_id,
+                       "file": files[s.name], "owner": s.owner} for s in sandboxes.values()],
+        "arenas": [{"id": a.arena_id, "used": a.used, "live": a.live} for a in arenas.arenas.values()],
+        "current_arena": None if arenas.current is None else arenas.current.arena_id,
+        "arena_bytes": arenas.arena_bytes,
+    }
+    # The rows change in place: copied. Similarity indices are replaced, never changed in place.
+    size = table.n * BLOB_DTYPE.itemsize
+    rows: bytes | memoryview
+    if rows_buf is not None and len(rows_buf) >= size:
+        np.copyto(rows_buf[:size], table.rows[:table.n].view(np.uint8))
+        rows = rows_buf[:size].data
+    else:
+        rows = table.rows[:table.n].tobytes()
+    sims = [(d.sim, list(d.sim_pending)) for d in domains]
+    fds = arenas.begin_flush()          # the last step that can fail
+    taken = set(dirty)
+    dirty.clear()
+    return GenerationSnapshot(generation, meta, rows, sims, list(table.quarantine), list(table.free), indices,
+                              set(files.values()), fds, taken)
+
+
+def _binary(snap: GenerationSnapshot) -> list[bytes | memoryview]:
+    """The store file's binary part, built without the lock: the rows, then each domain's
+    similarity index merged (BlobTable.sim_index's order) and purged of the ids freed since
+    the last reclaim (BlobTable.reclaim), which the saved free list holds."""
+    binary: list[bytes | memoryview] = [snap.rows]
+    dead = np.array(snap.dead, dtype=np.int64)
+    for dm, (sim, pending) in zip(snap.meta["domains"], snap.sims):
+        keys, src = sim.keys, sim.sources.astype(np.uint32)
+        if pending:
+            keys = np.concatenate([keys] + [p.keys for p in pending])
+            src = np.concatenate([src] + [p.sources.astype(np.uint32) for p in pending])
+            order = np.argsort(keys, kind="stable")
+            keys, src = keys[order], src[order]
+        if len(dead) and len(src):
+            keep = ~np.isin(src, dead)
+            keys, src = keys[keep], src[keep]
+        dm["sim_entries"] = len(keys)
+        binary.append(np.ascontiguousarray(keys, dtype="<u8").data)
+        binary.append(np.ascontiguousarray(src, dtype="<u4").data)
+    snap.meta["free"] = sorted(snap.free + snap.dead)
+    return binary
+
+
+def write_snapshot(root: Path, uuid: bytes, snap: GenerationSnapshot) -> None:
+    """Write the snapshot's generation and commit it (steps 1-3 of the module docstring),
+    without the state lock. On a failure (``StoreFull``, any OSError) before the commit point
+    the previous generation stays the durable one and the new files are removed; it may be
+    called again with the same snapshot (the retry on the reserve)."""
+    ArenaSet.sync_fds(root, [(aid, fd) for aid, fd in snap.sync_fds if aid not in snap.synced])
+    snap.synced.update(aid for aid, _fd in snap.sync_fds)
+    if snap.binary is None:
+        snap.binary = _binary(snap)
+    written: list[str] = []
     try:
-        for name in sorted(dirty):
-            sb = sandboxes[name]
-            fname = index_file_name(name, generation)
-            write_index(root / fname, uuid, name, sb.index.to_records(), sb.raw, sb.index.zt)
-            written[name] = fname
+        for sb, fname, index, raw in snap.indices:
+            write_index(root / fname, uuid, sb.name, index.to_records(), raw, index.zt)
+            written.append(fname)
             crash_point("between-generation-files")
         fail_point("commit", lambda: StoreFull(str(root / STORE_FILE), "injected (AZQ_FAIL_AT)"))
-        _commit_store_file(root, uuid, generation, table, arenas, sandboxes, template_paths, written,
-                           tombstones or {})
+        write_store(root / STORE_FILE, snap.meta, snap.binary)
     except BaseException:
-        for fname in written.values():
+        for fname in written:
             try:
                 os.unlink(root / fname)
             except OSError:
@@ -123,59 +230,50 @@ def write_generation(root: Path, uuid: bytes, generation: int, table: BlobTable,
     try:
         sync_dir(root)
     except OSError as err:
-        log.error("%s: directory sync after the commit of generation %d failed: %s", root, generation, err)
-    crash_point("after-commit")
-    # Durable: what only the old generation named can go now.
-    for name, fname in written.items():
-        sandboxes[name].file = fname
-    dirty.clear()
-    named = {sb.file for sb in sandboxes.values()}
+        log.error("%s: directory sync after the commit of generation %d failed: %s", root, snap.generation, err)
+
+
+def close_snapshot(snap: GenerationSnapshot) -> None:
+    for _aid, fd in snap.sync_fds:
+        os.close(fd)
+    snap.sync_fds = []
+
+
+def publish_snapshot(snap: GenerationSnapshot, arenas: ArenaSet) -> list[Path]:
+    """The snapshot's generation is durable (under the state lock): each written sandbox's
+    record names its new file, and what only older generations named is reclaimed. Returns
+    the arena files to unlink (``remove_unnamed``)."""
+    for sb, fname, _index, _raw in snap.indices:
+        sb.file = fname         # also on a record freed meanwhile: harmless, it is gone
+    return arenas.finish_flush()
+
+
+def abort_snapshot(snap: GenerationSnapshot, arenas: ArenaSet, sandboxes: dict[str, StoredSandbox],
+                   dirty: set[str]) -> None:
+    """The snapshot's generation was not committed (under the state lock): the sandboxes it
+    would have written are dirty again (those still stored) and the arenas' reclaim waits."""
+    dirty.update(n for n in snap.dirty if n in sandboxes)
+    arenas.abort_flush(snap.sync_fds)
+
+
+def remove_unnamed(root: Path, snap: GenerationSnapshot, arena_files: list[Path]) -> None:
+    """After a commit, without the state lock (the caller still holds the flush lock, so no
+    other generation is being written): unlink the index files the durable generation does
+    not name, temporary files, and the arena files it dropped."""
     try:
         for p in root.iterdir():
-            if (is_index_file_name(p.name) and p.name not in named) or p.name.endswith(TMP_SUFFIX):
+            if (is_index_file_name(p.name) and p.name not in snap.named) or p.name.endswith(TMP_SUFFIX):
                 try:
                     p.unlink()
                 except FileNotFoundError:
                     pass
+        for path in arena_files:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
     except OSError as err:      # left for the sweep at the next open
         log.error("%s: removing the files of older generations failed: %s", root, err)
-    arenas.commit()
-    crash_point("after-reclaim")
-
-
-def _commit_store_file(root: Path, uuid: bytes, generation: int, table: BlobTable, arenas: ArenaSet,
-                       sandboxes: dict[str, StoredSandbox], template_paths: dict[str, dict[str, Any]],
-                       written: dict[str, str], tombstones: dict[str, str | None]) -> None:
-    # Purge freed ids from the similarity indices so the saved free list is clean.
-    table.reclaim()
-    for d in table.domains.values():
-        table.sim_index(d)
-    files = {}
-    for s in sandboxes.values():
-        f = written.get(s.name, s.file)
-        if f is None:
-            raise AssertionError(f"sandbox {s.name!r} changed but was not marked dirty")
-        files[s.name] = f
-    meta = {
-        "store_uuid": uuid.hex(),
-        "generation": generation,
-        "tombstones": tombstones,
-        "n_blobs": table.n,
-        "free": sorted(table.free),
-        "templates": template_paths,
-        "domains": [{"name": d.name, "did": d.did, "template_id": d.template_id, "sim_entries": len(d.sim)}
-                    for d in sorted(table.domains.values(), key=lambda d: d.did)],
-        "sandboxes": [{"name": s.name, "domain": s.domain.name, "template_id": s.template_id,
-                       "file": files[s.name], "owner": s.owner} for s in sandboxes.values()],
-        "arenas": [{"id": a.arena_id, "used": a.used, "live": a.live} for a in arenas.arenas.values()],
-        "current_arena": None if arenas.current is None else arenas.current.arena_id,
-        "arena_bytes": arenas.arena_bytes,
-    }
-    binary: list[bytes | memoryview] = [table.rows[:table.n].tobytes()]
-    for d in sorted(table.domains.values(), key=lambda d: d.did):
-        binary.append(d.sim.keys.astype("<u8").tobytes())
-        binary.append(d.sim.sources.astype("<u4").tobytes())
-    write_store(root / STORE_FILE, meta, binary)
 
 
 def load_generation(root: Path, arena_bytes: int, template_paths: dict[str, dict[str, Any]]) -> LoadedGeneration:

@@ -9,11 +9,13 @@ waits for its LLM, ``decode`` in bulk for prefetch and ``decode_page_into`` on t
 fault path, ``discard`` pages that are resident again, ``free_sandbox`` when it is destroyed.
 
 Concurrency: one re-entrant state lock guards the tables and the arena mappings and is held
-only for lookups and commits (decoders copy the payload bytes out under it and decompress
-outside it); a second lock serialises encoders. Known race, handled: a blob an encode plans to
-reference may be freed by a concurrent discard/free before the commit; the commit checks that
-every referenced blob is still live and re-plans otherwise (freed ids are quarantined until the
-next encode, so such an id never points at another page meanwhile).
+only for lookups and in-memory steps (decoders copy the payload bytes out under it and
+decompress outside it); a second lock serialises encoders. Flushes and compactions (their
+base class, storewrite.py) write their files and copy their bytes outside the state lock, so
+a fault's lookup never waits for an fsync or a compaction's copy. Known race, handled: a blob
+an encode plans to reference may be freed by a concurrent discard/free before the commit; the
+commit checks that every referenced blob is still live and re-plans otherwise (freed ids are
+quarantined until the next encode, so such an id never points at another page meanwhile).
 
 Crash consistency (docs/memory.md): ``flush`` writes and commits a whole generation
 (generation.py); space that the last durable generation names is reclaimed only after the next
@@ -49,13 +51,7 @@ from azqemu.memory.blobtable import BLOB_DTYPE, BlobTable, DomainState
 from azqemu.memory.crashpoint import crash_point
 from azqemu.memory.domainview import StoreDomainView
 from azqemu.memory.encoder import T_BLOB, T_NEW, T_TEMPLATE, Encoder, EncoderOptions, Plan
-from azqemu.memory.generation import (
-    StoredSandbox,
-    load_generation,
-    sweep_uncommitted,
-    validate_generation,
-    write_generation,
-)
+from azqemu.memory.generation import StoredSandbox, load_generation, sweep_uncommitted, validate_generation
 from azqemu.memory.kinds import (
     DEFAULT_DECODE_BUDGET_US,
     ENTRY_DTYPE,
@@ -65,8 +61,9 @@ from azqemu.memory.kinds import (
     RefType,
 )
 from azqemu.memory.pagedecode import locate_page, locate_rows, write_page, write_rows
-from azqemu.memory.persist import RESERVE_FILE, STORE_FILE, StoreFull, ensure_reserve, release_reserve
+from azqemu.memory.persist import STORE_FILE, ensure_reserve
 from azqemu.memory.sbxindex import SandboxIndex
+from azqemu.memory.storewrite import StoreWriter
 from azqemu.memory.template import TemplateImage
 from azqemu.memory.zstdlib import DEFAULT_LEVEL, PageZstd
 
@@ -112,7 +109,7 @@ class EncodeResult:
         return self.input_bytes / (1 << 20) / self.cpu_s if self.cpu_s > 0 else float("inf")
 
 
-class PageStore:
+class PageStore(StoreWriter):
     """Encoded guest pages of many sandboxes under ``root_dir`` (see the module docstring)."""
 
     def __init__(self, root_dir: str | os.PathLike[str], *, templates: tuple[TemplateImage, ...] = (),
@@ -123,6 +120,8 @@ class PageStore:
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
         self._encode_lock = threading.Lock()
+        self._flush_lock = threading.Lock()
+        self._compact_lock = threading.Lock()
         self._tls = threading.local()
         self.zstd = PageZstd(zstd_level, backend=zstd_backend)
         opts = EncoderOptions(decode_budget_us=decode_budget_us)
@@ -134,7 +133,7 @@ class PageStore:
             t.template_id: {"path": t.path, "n_pages": t.n_pages} for t in templates}
         self._sandboxes: dict[str, StoredSandbox] = {}
         self._dirty: set[str] = set()
-        self._changed = False           # anything to write since the last durable generation
+        self._changed = False           # anything to write since the last generation's snapshot
         self._generation = 0            # number of the last durable generation (0: none)
         self._table = BlobTable()
         # Sandboxes the store named but could not load (name -> reason): their pages are lost.
@@ -276,10 +275,10 @@ class PageStore:
                 with self._lock:
                     if self._plan_still_valid(plan):
                         result = self._commit(sandbox, d, template, plan, owner)
-                        self._maybe_compact()
                         break
             else:
                 raise StoreError("encode kept racing with concurrent frees")
+        self._maybe_compact()           # old entries replaced: their blobs may have died
         result.encode_s = time.perf_counter() - t0
         result.cpu_s = time.thread_time() - c0
         return result
@@ -484,7 +483,7 @@ class PageStore:
             sb.raw = sb.raw[~np.isin(sb.raw, page_idx)]
             self._dirty.add(sandbox)
             self._changed = True
-            self._maybe_compact()
+        self._maybe_compact()
 
     def free_sandbox(self, sandbox: str, *, tombstone: bool = False) -> None:
         """Release every entry and reference of ``sandbox`` (destroy, a reused name). Its
@@ -499,23 +498,8 @@ class PageStore:
             sb.domain.sandboxes.discard(sandbox)
             self._dirty.discard(sandbox)
             self._changed = True
-            self._maybe_compact()
-            crash_point("after-free-compact")
-
-    def _maybe_compact(self) -> None:
-        for arena_id in self._arenas.compaction_candidates():
-            try:
-                self.compact_arena(arena_id)
-            except StoreFull as exc:
-                # Compaction only gives memory back; with no room to copy, it waits.
-                log.warning("%s: arena %d not compacted: %s", self.root, arena_id, exc)
-                return
-
-    def compact_arena(self, arena_id: int) -> None:
-        """Move the live blobs of an arena to the current one and drop it (ArenaSet.compact)."""
-        with self._lock:
-            self._arenas.compact(arena_id, self._table.rows[:self._table.n])
-            self._changed = True
+        self._maybe_compact()
+        crash_point("after-free-compact")
 
     # ------------------------------------------------------------------ accounting
     def owned_bytes(self, sandbox: str) -> OwnedBytes:
@@ -548,38 +532,10 @@ class PageStore:
                               self._arenas.allocated_bytes)
 
     # ------------------------------------------------------------------ persistence
-    def flush(self) -> None:
-        """Write and commit a generation: everything needed to reopen the store from
-        ``root_dir`` (generation.py), then reclaim what only older generations named. When it
-        returns, every page encoded before the call survives a crash; a ``StoreFull`` (or any
-        error) leaves the previous generation the durable one and nothing reclaimed."""
-        with self._lock:
-            if not self._changed and self._generation:
-                return
-            try:
-                self._write_generation()
-            except StoreFull:
-                # Full: spend the reserve on this commit (it may be the one that frees space).
-                if not release_reserve(self.root):
-                    raise
-                log.warning("%s: file system full, committing on the reserved space", self.root)
-                self._write_generation()
-            self._generation += 1
-            self._changed = False
-            if not self._reserved or not (self.root / RESERVE_FILE).exists():
-                self._reserved = ensure_reserve(self.root)
-
-    def _write_generation(self) -> None:
-        write_generation(self.root, self.uuid, self._generation + 1, self._table, self._arenas,
-                         self._sandboxes, self._template_paths, self._dirty, self._tombstones)
-
-    @property
-    def generation(self) -> int:
-        """Number of the last durable generation (0: none yet)."""
-        return self._generation
-
+    # flush, generation and compact_arena: StoreWriter (storewrite.py).
     def close(self) -> None:
-        with self._lock:
+        """Close the arenas, once a flush or compaction under way has finished."""
+        with self._flush_lock, self._compact_lock, self._lock:
             self._arenas.close()
 
     def __enter__(self) -> PageStore:
@@ -590,8 +546,10 @@ class PageStore:
 
     # ------------------------------------------------------------------ introspection
     def check_consistency(self) -> None:
-        """Re-run the load-time validation on the live state (tests, debugging)."""
-        with self._lock:
+        """Re-run the load-time validation on the live state (tests, debugging). Waits for a
+        running compaction (the validation recounts the arenas' live bytes, which a
+        compaction's reserved room is part of)."""
+        with self._compact_lock, self._lock:
             validate_generation(self.root / STORE_FILE, self._table, self._arenas, self._sandboxes)
 
     @property

@@ -154,6 +154,7 @@ def clone_one(host: Host, tmpl: TemplateMeta, name: str, *, sharing_domain: str,
             initrd=Path(tmpl.initrd), rootfs=Path(tmpl.rootfs), cmdline=tmpl.cmdline,
             libvirt_type=tmpl.libvirt_type, machine=tmpl.machine, incoming=True, env=env or {},
             ram_backing=ram_backing, ksm_merge=ksm_merge,
+            tcg_tb_cache_mib=config_mod.tcg_tb_cache_mib(),
             metadata={"role": "sandbox", "template": tmpl.name, "sharing-domain": sharing_domain,
                       # Several managers (state directories) may share one libvirtd.
                       "state-dir": str(repo.cfg.state_dir),

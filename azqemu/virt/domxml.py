@@ -61,6 +61,8 @@ class DomainSpec:
     # configuration): KSM across sandboxes, tenants included, is a known side channel, and
     # KSM on for any reason on the host must not merge azqemu's sandboxes behind our back.
     ksm_merge: bool = False
+    # TCG only: the translation cache's bound (MiB; 0 = QEMU's default); config.tcg_tb_cache_mib.
+    tcg_tb_cache_mib: int = 0
 
 
 def build(spec: DomainSpec) -> str:
@@ -74,6 +76,8 @@ def build(spec: DomainSpec) -> str:
     else:
         raise ValueError(f"unknown RAM backing {spec.ram_backing!r}")
     cpu = E.cpu(mode="host-passthrough") if spec.libvirt_type == "kvm" else E.cpu(E.model("qemu64"), mode="custom", match="exact")
+    tcg = ([E.tcg(E("tb-cache", str(spec.tcg_tb_cache_mib), unit="MiB"))]
+           if spec.libvirt_type == "qemu" and spec.tcg_tb_cache_mib > 0 else [])
     serial = (E.serial(E.source(path=str(spec.console_log)), E.target(port="0"), type="file")
               if spec.console_log else E.serial(E.target(port="0"), type="pty"))
     devices = E.devices(
@@ -106,7 +110,7 @@ def build(spec: DomainSpec) -> str:
         E.vcpu(str(spec.vcpus)),
         E.os(E.type("hvm", arch="x86_64", machine=spec.machine), E.kernel(str(spec.kernel)),
              E.initrd(str(spec.initrd)), E.cmdline(spec.cmdline)),
-        E.features(E.acpi()),
+        E.features(E.acpi(), *tcg),
         cpu,
         E.clock(offset="utc"),
         E.on_poweroff("destroy"), E.on_reboot("destroy"), E.on_crash("destroy"),

@@ -229,6 +229,7 @@ def create_template(host: Host, repo: TemplateRepo, name: str, *, mem_mib: int =
         spec = domxml.DomainSpec(
             ident=ident, mem_mib=mem_mib, vcpus=vcpus, kernel=image.kernel, initrd=image.initrd,
             rootfs=image.rootfs, cmdline=image.cmdline, libvirt_type=facts.libvirt_type,
+            tcg_tb_cache_mib=config_mod.tcg_tb_cache_mib(),
             metadata={"role": "template-build", "template": name, "state-dir": str(repo.cfg.state_dir)})
         progress(f"booting {ident.name} ({mem_mib} MiB, {vcpus} vCPU, {facts.accel})")
         dom = host.create_transient(domxml.build(spec), ident.name, paused=False)

@@ -73,3 +73,27 @@ def test_bench_restore_refuses_a_working_set_larger_than_the_guest(azq, template
     err = json.loads(r.stdout)["error"]
     assert (err["type"], err["exit_code"]) == ("ConfigError", 2) and err["message"].startswith("--hot-mib 100000")
     assert not [s.name for s in Client().list_sandboxes() if s.name.startswith(CLONE_PREFIX)]
+
+
+def test_bench_restore_concurrent_json_contract(azq, template: str) -> None:
+    """``--concurrent 2``: two sandboxes fault at once; the pooled figures are plausible."""
+    n, hot_mib = 2, 4
+    r = azq("bench", "restore", "--hot-mib", "4", "--template", template, "--concurrent", str(n),
+            "--concurrent-hot-mib", str(hot_mib), "--json", timeout=1200)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert {"median", "p99"} <= res["fault_service_us"].keys()   # the single-sandbox keys stay
+    conc = res["concurrent"]
+    assert conc["sandboxes"] == n
+    svc = conc["fault_service_us"]
+    assert 0 < svc["median"] <= svc["p99"], svc
+    for q in ("median", "p99"):
+        assert svc["per_handler"][q]["min"] <= svc[q] <= svc["per_handler"][q]["max"]
+    # Every sandbox's working set came back through its own handler, every fault sampled.
+    assert len(conc["per_sandbox"]) == n
+    assert all(p["faults"] >= hot_mib * PAGES_PER_MIB for p in conc["per_sandbox"])
+    assert svc["samples"] >= n * hot_mib * PAGES_PER_MIB
+    assert 0 < conc["fault_stall_us"]["median"] <= conc["fault_stall_us"]["p99"]
+    assert conc["span_s"] > 0 and 0 <= conc["overlap_s"] <= conc["span_s"]
+    assert conc["handler_errors"] == 0
+    assert not [s.name for s in Client().list_sandboxes() if s.name.startswith(CLONE_PREFIX)]

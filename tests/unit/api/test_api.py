@@ -166,16 +166,54 @@ def test_events_stream_as_json_lines(served: Served) -> None:
             if len(got) == 2:
                 return
 
-    served.manager.watcher.recent.append({"time": time.time(), "sandbox": "a-0", "event": "suspended",
-                                          "detail": "paused"})
+    served.manager.events.publish("a-0", "suspended", "paused", source="libvirt")
     t = threading.Thread(target=follow, daemon=True)
     t.start()
     time.sleep(0.5)
-    served.manager.watcher.recent.append({"time": time.time() + 1, "sandbox": "a-0", "event": "resumed",
-                                          "detail": "unpaused"})
+    served.manager.events.publish("a-0", "compress", "done", stored_bytes=8192, duration_s=0.5)
     t.join(10)
-    assert [(e.sandbox, e.event) for e in got] == [("a-0", "suspended"), ("a-0", "resumed")]
-    assert [e.event for e in served.client.events(since=0)] == ["suspended", "resumed"]
+    assert [(e.sandbox, e.event, e.source) for e in got] == [("a-0", "suspended", "libvirt"),
+                                                            ("a-0", "compress", "azqemu")]
+    assert got[1].stored_bytes == 8192 and got[1].duration_s == 0.5 and got[1].reason is None
+    assert [e.event for e in served.client.events(since=0)] == ["suspended", "compress"]
+    # Absent fields are left out, not null (the route and the stream alike).
+    body = raw(served, "GET", "/v1/events").json()
+    assert body[0] == {"time": body[0]["time"], "seq": 1, "sandbox": "a-0", "event": "suspended",
+                       "detail": "paused", "source": "libvirt"}
+
+
+def test_events_filtered_by_sandbox_and_kind(served: Served) -> None:
+    log = served.manager.events
+    log.publish("a-0", "created", "eager clone of base")
+    log.publish("b-0", "created", "eager clone of base")
+    log.publish("a-0", "phase", "wait (hint)", phase="wait", signal="hint")
+    log.publish("a-0", "destroyed", "by azqemu (was running)")
+    c = served.client
+    assert [e.event for e in c.events(sandbox="a-0")] == ["created", "phase", "destroyed"]
+    assert [(e.sandbox, e.event) for e in c.events(event=["created", "destroyed"])] == [
+        ("a-0", "created"), ("b-0", "created"), ("a-0", "destroyed")]
+    assert [e.signal for e in c.events(sandbox="a-0", event=["phase"])] == ["hint"]
+    got: list[models.Event] = []
+
+    def follow() -> None:
+        for e in Client(served.socket_path).follow_events(sandbox="b-0", event=["destroyed"]):
+            got.append(e)
+            return
+
+    t = threading.Thread(target=follow, daemon=True)
+    t.start()
+    time.sleep(0.3)
+    log.publish("a-0", "destroyed", "by azqemu (was running)")     # another sandbox's: not sent
+    log.publish("b-0", "compress", "done")                        # another kind: not sent
+    log.publish("b-0", "destroyed", "by azqemu (was compressed)")
+    t.join(10)
+    assert [(e.sandbox, e.event, e.detail) for e in got] == [("b-0", "destroyed", "by azqemu (was compressed)")]
+    deadline = time.monotonic() + 5      # the follower left: its stream stops waiting on the log
+    while log._async_waiters and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not log._async_waiters
+    one_error(raw(served, "GET", "/v1/events", params={"sandbox": "../x"}), 400, "ConfigError")
+    one_error(raw(served, "GET", "/v1/events", params={"event": ["x" * 65]}), 400, "ConfigError")
 
 
 def test_openapi_document_validates_and_covers_every_operation(served: Served) -> None:

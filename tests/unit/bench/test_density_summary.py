@@ -3,6 +3,7 @@ sample by sample; the manager's own memory above the idle manager; compression C
 
 from __future__ import annotations
 
+import json
 import math
 from types import SimpleNamespace
 from typing import Any
@@ -60,3 +61,35 @@ def test_series_without_host_cost_are_derived() -> None:
     pol = summarize(SimpleNamespace(name="w"), 1, [run], 0)["policies"]["linux"]  # type: ignore[arg-type]
     assert pol["host_cost_bytes_avg"] == pytest.approx(400 * MIB) and pol["host_cost_bytes_peak"] == 400 * MIB
     assert math.isnan(pol["manager_anon_above_idle_bytes_avg"])
+
+
+class _PerWaitClient:
+    """owned() and domstats() as the daemon answers them at the end of a policy's run."""
+
+    def __init__(self, cpu_s: dict[str, float], counts: dict[str, int]) -> None:
+        self.cpu_s, self.counts = cpu_s, counts
+
+    def owned(self, names: list[str]) -> Any:
+        rows = {n: {"name": n, "compress_cpu_s_total": self.cpu_s[n]} for n in names}
+        return SimpleNamespace(as_json=lambda: {"sandboxes": rows})
+
+    def domstats(self, name: str) -> Any:
+        return SimpleNamespace(compress_count=self.counts[name])
+
+
+def test_compression_cpu_per_wait() -> None:
+    from azqemu.bench.density import compress_cpu_per_wait
+    c = _PerWaitClient({"a": 1.5, "b": 0.5}, {"a": 3, "b": 1})
+    assert compress_cpu_per_wait(c, ["a", "b"]) == {"compressions": 4,  # type: ignore[arg-type]
+                                                    "compress_cpu_s_per_wait": pytest.approx(0.5)}
+    # No compression (none, none-cow, linux): no figure, not a division by zero.
+    c = _PerWaitClient({"a": 0.0}, {"a": 0})
+    assert compress_cpu_per_wait(c, ["a"]) == {"compressions": 0,  # type: ignore[arg-type]
+                                               "compress_cpu_s_per_wait": None}
+    # It reaches the policy's figures and the report's column.
+    run = _run("agentzip", [300, 500], [200, 300], extra={"compressions": 4, "compress_cpu_s_per_wait": 0.5})
+    res = summarize(SimpleNamespace(name="w"), 2, [run], 0)  # type: ignore[arg-type]
+    assert res["policies"]["agentzip"]["compress_cpu_s_per_wait"] == 0.5
+    row = report.table_rows(res)[0]
+    assert row[-1] == "0.500" and report.HEADERS[-1] == "compress CPU s/wait"
+    assert json.loads(report.to_json(res))["policies"]["agentzip"]["compressions"] == 4

@@ -48,6 +48,9 @@ class SteppedMemory(MemoryService):
         self.released: list[str] = []
         self.prefetch_error: BaseException | None = None
         self.compress_error: BaseException | None = None
+        self.ending: set[str] = set()          # cancelled for good (a destroy), as SandboxMemory
+        self.before_start: threading.Event | None = None   # a compression waits here first
+        self.started = threading.Event()
 
     def _ev(self, name: str) -> threading.Event:
         return self._cancels.setdefault(name, threading.Event())
@@ -56,15 +59,20 @@ class SteppedMemory(MemoryService):
         if self.compress_error is not None:
             raise self.compress_error
         ev = self._ev(rec.name)
+        self.started.set()
+        if self.before_start is not None:
+            self.before_start.wait(5)
         ev.clear()
         for _ in range(self.steps):
             time.sleep(self.step_s)
-            if ev.is_set():
+            if ev.is_set() or rec.name in self.ending:
                 raise CompressCancelled(rec.name)
         self.compressed_names.add(rec.name)
         return {"name": rec.name, "stored_pages": 1, "cancelled": False}
 
-    def cancel(self, name: str) -> None:
+    def cancel(self, name: str, *, for_good: bool = False) -> None:
+        if for_good:
+            self.ending.add(name)
         self._ev(name).set()
 
     def prefetch(self, name: str, *, hot: bool) -> dict[str, Any]:
@@ -274,6 +282,38 @@ def test_destroy_cancels_a_compression_before_it_waits(life: Lifecycle, rreg: Re
     assert len(errors) == 1 and isinstance(errors[0], CompressCancelled)
     assert "d-0" not in host.doms and rreg.slots.get("d-0") is None
     _changes_follow_the_table(rreg, "d-0")
+
+
+def test_destroy_stops_a_compression_that_starts_after_its_cancel(
+        life: Lifecycle, rreg: RecordingRegistry, host: Any, smem: SteppedMemory) -> None:
+    """The compression has passed its destroy check when the destroy cancels; it then clears
+    the plain cancel as it starts. The destroy's cancel is for good: it still stops at once."""
+    life.clone_batch("base", names=["d-1"])
+    smem.steps, smem.step_s = 10_000, 0.001
+    smem.before_start = threading.Event()
+    errors: list[BaseException] = []
+
+    def compress() -> None:
+        try:
+            life.compress("d-1")
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    t = threading.Thread(target=compress)
+    t.start()
+    assert smem.started.wait(5)
+    d = threading.Thread(target=life.destroy, args=("d-1",))
+    t0 = time.monotonic()
+    d.start()
+    while not rreg.slot("d-1").destroy_requested:
+        time.sleep(0.001)
+    time.sleep(0.05)                      # its cancel is in
+    smem.before_start.set()
+    d.join(5)
+    t.join(5)
+    assert time.monotonic() - t0 < 2.0
+    assert len(errors) == 1 and isinstance(errors[0], CompressCancelled)
+    assert "d-1" not in host.doms and rreg.slots.get("d-1") is None
 
 
 OPS = st.sampled_from(["compress", "resume", "exec", "destroy", "pause"])

@@ -28,7 +28,7 @@ OPS: dict[str, list[tuple[str, Any]]] = {
     "resume": [("name", inspect.Parameter.empty), ("prefetch", True)],
     "compress": [("name", inspect.Parameter.empty)],
     "destroy": [("name", inspect.Parameter.empty)],
-    "events": [("since", 0.0)],
+    "events": [("since", 0.0), ("sandbox", None), ("event", None)],
     "trim": [("name", inspect.Parameter.empty)],
     "owned": [("names", None)],
     "list": [],

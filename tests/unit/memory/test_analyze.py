@@ -89,3 +89,40 @@ def test_linux_model_arithmetic() -> None:
     assert r.bytes_after == pytest.approx(expect)
     assert r.per_sandbox_after[0] == pytest.approx(size(shared) / 2 + PAGE_SIZE)
     assert r.compressor == "lz4"
+
+
+def test_metadata_fraction_and_ratio_per_kind(images) -> None:
+    t, paths = images
+    az = analyze(t, paths)["azqemu"]
+    meta = az["blob_metadata_bytes"] + az["index_bytes"]
+    assert 0 < az["metadata_fraction"] < 1
+    assert az["metadata_fraction"] == pytest.approx(meta / az["bytes_after"], rel=1e-6)
+    by_kind = az["by_kind"]
+    assert set(by_kind) == {k.name for k in Kind}
+    for kind, k in by_kind.items():
+        assert k["pages"] == az["pages"][kind] and k["bytes_before"] == k["pages"] * PAGE_SIZE
+        assert k["bytes_after"] == az["bytes"][kind]
+        assert k["ratio"] == (pytest.approx(k["bytes_before"] / k["bytes_after"]) if k["bytes_after"] else None)
+    # Payloads per kind, RAW pages and the metadata make up everything the sandboxes own.
+    assert sum(k["bytes_after"] for k in by_kind.values()) + meta == pytest.approx(az["bytes_after"], abs=2)
+    assert by_kind["ZERO"]["ratio"] is None and by_kind["TEMPLATE"]["ratio"] is None   # nothing stored
+    if by_kind["RAW"]["pages"]:
+        assert by_kind["RAW"]["ratio"] == pytest.approx(1.0)
+    json.dumps(az, allow_nan=False)
+
+
+def test_kind_ratios_and_metadata_fraction_arithmetic() -> None:
+    from azqemu.memory.analyze import kind_ratios, metadata_fraction
+    r = kind_ratios({"ZERO": 3, "ZSTD": 4, "RAW": 1}, {"ZERO": 0, "ZSTD": 4096, "RAW": PAGE_SIZE})
+    assert r["ZERO"] == {"pages": 3, "bytes_before": 3 * PAGE_SIZE, "bytes_after": 0, "ratio": None}
+    assert r["ZSTD"]["ratio"] == pytest.approx(4.0) and r["RAW"]["ratio"] == pytest.approx(1.0)
+    assert metadata_fraction(100, 300, 4000.0) == pytest.approx(0.1)
+    assert metadata_fraction(0, 0, 0.0) == 0.0
+
+
+def test_cli_table_shows_ratio_per_kind_and_metadata(images) -> None:
+    from azqemu.cli import cli
+    t, paths = images
+    res = CliRunner().invoke(cli, ["mem", "analyze", "--template", t, *paths], env={"COLUMNS": "160"})
+    assert res.exit_code == 0, res.output
+    assert "ratio" in res.output and "metadata" in res.output and "% of after" in res.output

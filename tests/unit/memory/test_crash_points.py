@@ -23,9 +23,10 @@ from . import crashsim
 
 REPO = Path(__file__).resolve().parents[3]
 # n-th hit of each point to crash at: the first, one in the middle of the scenario, a late one.
-HITS = {"after-encode": (1, 5, 8), "between-generation-files": (1, 4, 8), "after-commit": (1, 6, 8),
-        "after-reclaim": (2, 7, 9), "after-flush": (1, 5, 8), "after-discard-batch": (1, 6, 15),
-        "after-free-compact": (1,)}
+HITS = {"after-encode": (1, 5, 8), "after-flush-snapshot": (1, 5, 9), "between-generation-files": (1, 4, 8),
+        "after-commit": (1, 6, 8), "after-reclaim": (2, 7, 9), "after-flush": (1, 5, 8),
+        "after-discard-batch": (1, 6, 15), "after-free-compact": (1,), "after-compact-copy": (1,),
+        "after-compact-switch": (1,)}
 TOTALS: dict[str, int] = {"crash_points_tried": 0, "kills": 0, "pages_verified": 0, "wrong_pages": 0,
                           "missing_pages": 0}
 
