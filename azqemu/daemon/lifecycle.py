@@ -358,6 +358,7 @@ class Lifecycle:
         (SandboxMemory.trim), its vCPUs paused for the scan; None when there is nothing to
         trim (never compressed, compressed now, or not running)."""
         with self._locked(name, "trim") as slot:
+            ticket = self.memory.cancel_ticket(name)    # before the checks (MemoryService.cancel_ticket)
             mem = self.memory.get(name)
             if (mem is None or slot.state is not State.RUNNING or slot.user_paused
                     or not self.memory.has_stored(name)):
@@ -367,7 +368,7 @@ class Lifecycle:
                 return None
             dom.suspend()
             try:
-                st = mem.trim()
+                st = mem.trim(stop=self.memory.stop_test(name, ticket))
             finally:
                 dom.resume()
             log.debug("%s: trimmed %d of %d copies in %.1f ms (paused)", name, st.dropped_pages,
@@ -379,8 +380,11 @@ class Lifecycle:
         with self._locked(name, "compress"):
             return self.compress_locked(name)
 
-    def compress_locked(self, name: str) -> dict[str, Any]:
-        """The caller holds the sandbox's lock."""
+    def compress_locked(self, name: str, ticket: int | None = None) -> dict[str, Any]:
+        """The caller holds the sandbox's lock. ``ticket``: the cancel ticket taken when the
+        compression was decided (MemoryService.cancel_ticket); taken here if None."""
+        if ticket is None:
+            ticket = self.memory.cancel_ticket(name)
         slot = self.reg.slot(name)
         rec = self.reg.record(name)
         dom = self.reg.domain(name)
@@ -399,7 +403,7 @@ class Lifecycle:
                 dom.suspend()
                 paused_here = True
             crash_point("after-pause")
-            out = self.memory.compress(rec)
+            out = self.memory.compress(rec, ticket)
         except (AzqemuError, OSError) as exc:
             # Refused or cancelled before anything was lost: the guest keeps its pages (or the
             # store, committed before any drop, serves them); it runs on as it was.

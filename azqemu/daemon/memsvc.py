@@ -73,6 +73,11 @@ class MemoryService:
         self.failed: dict[str, str] = {}
         # Told of every failure (name, reason): the lifecycle's state machine (Registry.fail).
         self.on_failed: Callable[[str, str], object] | None = None
+        # Cancels asked per sandbox (a counter). An operation takes a ticket (the count) when
+        # it is decided, before its checks; it stops if the count moved, also when the cancel
+        # came before the operation reached its first step (``cancel_ticket``).
+        self._cancels: dict[str, int] = {}
+        self._cancels_mu = threading.Lock()
         # Compressions and resumes as events (the manager's event log).
         self.publish: Publish = discard
         # Held around a detach and a supervisor's restart of a handler.
@@ -201,9 +206,27 @@ class MemoryService:
         self.supervisor.ensure_started()
         return mem
 
+    def cancel_ticket(self, name: str) -> int:
+        """The ticket of an operation (compress, trim) on ``name`` decided now: it stops at
+        its next step once a cancel is asked after this call. Taken under the sandbox's lock
+        before the operation's checks (phase, execs), so that a cancel asked between the
+        checks and the operation's start is not lost: that cancel's caller (a resume, an
+        exec, a tool hint) has already changed what the checks look at, or its cancel comes
+        after the ticket."""
+        with self._cancels_mu:
+            return self._cancels.get(name, 0)
+
+    def stop_test(self, name: str, ticket: int | None) -> Callable[[], bool] | None:
+        if ticket is None:
+            return None
+        return lambda: self._cancels.get(name, 0) != ticket
+
     def cancel(self, name: str, *, for_good: bool = False) -> None:
-        """Stop a compression of ``name`` in progress at its next step (if there is one);
+        """Stop a compression of ``name`` in progress at its next step (if there is one),
+        and one decided before this call that has not started yet (``cancel_ticket``);
         ``for_good`` (a destroy): every later one too (SandboxMemory.cancel)."""
+        with self._cancels_mu:
+            self._cancels[name] = self._cancels.get(name, 0) + 1
         mem = self.mem.get(name)
         if mem is not None:
             mem.cancel(for_good=for_good)
@@ -222,6 +245,8 @@ class MemoryService:
         self.compress_cpu_s.pop(name, None)
         self.compress_count.pop(name, None)
         self.restore_count.pop(name, None)
+        with self._cancels_mu:
+            self._cancels.pop(name, None)   # a later ticket of the name starts at 0: an older one stops
         if self.has_stored(name):
             # Tombstoned: the domain goes after this; if the manager dies in between, the
             # next one finds the domain running without its pages and fails it (free_stale).
@@ -261,8 +286,9 @@ class MemoryService:
         self.store.flush()     # nothing to write if nothing changed
         return freed
 
-    def compress(self, rec: SandboxRecord) -> dict[str, Any]:
-        """Encode the sandbox's resident RAM into the store and punch it (vCPUs paused)."""
+    def compress(self, rec: SandboxRecord, ticket: int | None = None) -> dict[str, Any]:
+        """Encode the sandbox's resident RAM into the store and punch it (vCPUs paused);
+        cancelled at its first step if a cancel came after ``ticket`` (cancel_ticket)."""
         mem = self.mem.get(rec.name)
         if mem is None:
             mem = self.attach(rec.name, rec.sharing_domain, self.templates.get(rec.template),
@@ -273,7 +299,7 @@ class MemoryService:
         cpu0 = time.thread_time()
         t0 = time.perf_counter()
         try:
-            st = mem.compress()
+            st = mem.compress(stop=self.stop_test(rec.name, ticket))
         except BaseException as exc:
             self.publish(rec.name, "compress", "failed", reason=f"{type(exc).__name__}: {exc}",
                          duration_s=round(time.perf_counter() - t0, 6))

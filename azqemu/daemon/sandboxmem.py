@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -95,6 +95,9 @@ class SandboxMemory:
         self._lock = threading.Lock()
         self._handler_lock = threading.Lock()
         self._cancel = threading.Event()
+        # A stop test from the caller (MemoryService's cancel tickets): true once a cancel was
+        # asked after the operation was decided, even before it cleared ``_cancel``.
+        self._stop_test: Callable[[], bool] | None = None
         self._ending = threading.Event()   # a destroy's cancel: compress and trim never clear it
         self._uffd_socket = str(uffd_socket)
         self.handle: UffdHandle = UffdExport.connect(self._uffd_socket, EXPORT_CONNECT_TIMEOUT_S)
@@ -248,9 +251,12 @@ class SandboxMemory:
                 np.sort(np.concatenate(raw)) if raw else empty)
 
     # -- compress -------------------------------------------------------------------------
-    def compress(self) -> CompressStats:
-        """Encode and punch every profitable resident page. The vCPUs must be paused."""
+    def compress(self, stop: Callable[[], bool] | None = None) -> CompressStats:
+        """Encode and punch every profitable resident page. The vCPUs must be paused.
+        ``stop``: true when a cancel arrived since the compression was decided (it stops
+        then at its next step, as after ``cancel``)."""
         self._cancel.clear()
+        self._stop_test = stop
         st = CompressStats()
         t0 = time.perf_counter()
         with self._lock:
@@ -378,7 +384,7 @@ class SandboxMemory:
         return (self.cow and not self.compressed
                 and time.monotonic() - self._trimmed_at >= max(every_s, self.cold.after_s / 2))
 
-    def trim(self) -> TrimStats:
+    def trim(self, stop: Callable[[], bool] | None = None) -> TrimStats:
         """Copy-on-write, in a tool call: drop the copies the guest is not using, so that a
         long tool call holds what it works on, not everything the sandbox ever had. Two kinds
         go, neither touched by a fault since the last compression (a page that faulted back is
@@ -402,6 +408,7 @@ class SandboxMemory:
             # A cancel left over from the last resume must not stop this one; a destroy or a
             # resume that arrives from now on stops it before anything is dropped.
             self._cancel.clear()
+            self._stop_test = stop
             if not self.cow or not self.registered or self.compressed or self.name not in self.store.sandboxes():
                 return st
             idx = self.scan.index()
@@ -482,7 +489,7 @@ class SandboxMemory:
         return self.store.entries_match(self.name, idx, key, check)
 
     def _check_cancel(self, done: int = 0) -> None:
-        if self._cancel.is_set() or self._ending.is_set():
+        if self._cancel.is_set() or self._ending.is_set() or (self._stop_test is not None and self._stop_test()):
             raise CompressCancelled(self.name, done)
 
     def _punch(self, stored: np.ndarray) -> None:

@@ -75,6 +75,9 @@ class SchedService:
     def compress_if_idle(self, name: str, st: SchedState) -> None:
         """Compress a sandbox that is still waiting for its LLM (the scheduler's call)."""
         with self.reg.lock(name):
+            # Before the phase check: a tool call seen after it cancels this compression
+            # (phase() and exec cancel after they move the tracker).
+            ticket = self.lifecycle.memory.cancel_ticket(name)
             if st.tracker.in_tool_call() or st.tracker.current().phase != "wait":
                 return
             if name not in self.reg.sched:
@@ -82,7 +85,7 @@ class SchedService:
             slot = self.reg.find_slot(name)
             if slot is None or slot.state not in (State.RUNNING, State.COMPRESSED) or slot.destroy_requested:
                 return      # failed, or going: nothing for the scheduler to do
-            self.lifecycle.compress_locked(name)
+            self.lifecycle.compress_locked(name, ticket)
 
     def compress_and_run_on(self, name: str) -> None:
         """The pressure ablation: compress, then let the sandbox run on, served lazily."""
@@ -124,8 +127,11 @@ class SchedService:
             raise ConfigError(str(exc)) from None
         self._note_phase(name, st)
         out: dict[str, Any] = {"name": name, "phase": phase}
-        if phase == "tool" and name in self.reg.paused_by_azq:
+        if phase == "tool":
+            # Also when not paused yet: a compression decided before the hint, which has not
+            # reached its first step, stops there (MemoryService.cancel_ticket).
             self.lifecycle.memory.cancel(name)
+        if phase == "tool" and name in self.reg.paused_by_azq:
             with self.reg.lock(name):
                 if name in self.reg.paused_by_azq:
                     out.update(self.lifecycle.resume_locked(name, self.reg.domain(name),

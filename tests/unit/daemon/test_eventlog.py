@@ -181,7 +181,7 @@ class _FakeMem:
         self.template = SimpleNamespace(drop_mapped=lambda: None)
         self.fail = fail
 
-    def compress(self) -> CompressStats:
+    def compress(self, stop: Any = None) -> CompressStats:
         if self.fail is not None:
             raise self.fail
         return CompressStats(resident_pages=100, stored_pages=60, total_s=0.25)

@@ -38,12 +38,14 @@ DEFINED_ERRORS = (SandboxNotFound, SandboxStateError, DomainStateError, Compress
 
 
 class SteppedMemory(MemoryService):
-    """A memory service whose compression runs ``steps`` steps and stops at a cancel."""
+    """A memory service whose compression runs ``steps`` steps and stops at a cancel: its
+    own flag, cleared as it starts (as SandboxMemory's), the destroy's for-good mark, and the
+    real service's cancel tickets (MemoryService.cancel_ticket)."""
 
     def __init__(self, base: MemoryService, steps: int = 5, step_s: float = 0.001) -> None:
         super().__init__(base.cfg, base.templates, base.sandboxes, lazy_available=True)
         self.steps, self.step_s = steps, step_s
-        self._cancels: dict[str, threading.Event] = {}
+        self._cancel_events: dict[str, threading.Event] = {}
         self.compressed_names: set[str] = set()
         self.released: list[str] = []
         self.prefetch_error: BaseException | None = None
@@ -53,24 +55,26 @@ class SteppedMemory(MemoryService):
         self.started = threading.Event()
 
     def _ev(self, name: str) -> threading.Event:
-        return self._cancels.setdefault(name, threading.Event())
+        return self._cancel_events.setdefault(name, threading.Event())
 
-    def compress(self, rec: SandboxRecord) -> dict[str, Any]:
+    def compress(self, rec: SandboxRecord, ticket: int | None = None) -> dict[str, Any]:
         if self.compress_error is not None:
             raise self.compress_error
         ev = self._ev(rec.name)
+        stop = self.stop_test(rec.name, ticket)
         self.started.set()
         if self.before_start is not None:
             self.before_start.wait(5)
         ev.clear()
         for _ in range(self.steps):
             time.sleep(self.step_s)
-            if ev.is_set() or rec.name in self.ending:
+            if ev.is_set() or rec.name in self.ending or (stop is not None and stop()):
                 raise CompressCancelled(rec.name)
         self.compressed_names.add(rec.name)
         return {"name": rec.name, "stored_pages": 1, "cancelled": False}
 
     def cancel(self, name: str, *, for_good: bool = False) -> None:
+        super().cancel(name, for_good=for_good)       # the ticket count
         if for_good:
             self.ending.add(name)
         self._ev(name).set()
@@ -314,6 +318,41 @@ def test_destroy_stops_a_compression_that_starts_after_its_cancel(
     assert time.monotonic() - t0 < 2.0
     assert len(errors) == 1 and isinstance(errors[0], CompressCancelled)
     assert "d-1" not in host.doms and rreg.slots.get("d-1") is None
+
+
+@pytest.mark.parametrize("canceller", ["resume", "exec"])
+def test_a_cancel_before_the_compression_starts_is_not_lost(
+        life: Lifecycle, rreg: RecordingRegistry, host: Any, smem: SteppedMemory, canceller: str) -> None:
+    """The compression has passed its checks (phase, execs) and not reached its first step
+    when a resume or an exec cancels it: it clears its own flag as it starts, but its ticket
+    is older than the cancel, so it stops at once and the caller does not wait ten seconds."""
+    name = f"w-{canceller}"
+    life.clone_batch("base", names=[name])
+    smem.steps, smem.step_s = 10_000, 0.001
+    smem.before_start = threading.Event()
+    errors: list[BaseException] = []
+
+    def compress() -> None:
+        try:
+            life.compress(name)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    t = threading.Thread(target=compress)
+    t.start()
+    assert smem.started.wait(5)
+    call = (lambda: life.resume(name)) if canceller == "resume" else (lambda: life.exec(name, ["true"]))
+    c = threading.Thread(target=call)
+    t0 = time.monotonic()
+    c.start()
+    time.sleep(0.05)                      # its cancel is in; it waits for the sandbox's lock
+    smem.before_start.set()
+    c.join(5)
+    t.join(5)
+    assert time.monotonic() - t0 < 2.0
+    assert len(errors) == 1 and isinstance(errors[0], CompressCancelled)
+    assert rreg.state_of(name)[0] == "running" and host.doms[name].state() == "running"
+    _changes_follow_the_table(rreg, name)
 
 
 OPS = st.sampled_from(["compress", "resume", "exec", "destroy", "pause"])
