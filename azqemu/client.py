@@ -237,8 +237,10 @@ class Client:
 
     def exec_stream(self, name: str, argv: list[str], timeout_s: float = m.DEFAULT_EXEC_TIMEOUT_S,
                     stdin: bytes | None = None) -> Iterator[dict[str, Any]]:
-        """``exec`` as events: started, running (liveness), stdout/stderr chunks (``data`` as
-        bytes), exit; an azqemu failure is raised. The guest agent gives output only at exit."""
+        """``exec`` as events, as they happen: started, stdout/stderr chunks (``data`` as bytes)
+        while the command writes them, running (liveness, every 5 s without output), and last
+        exit (exit_code, duration_s, ...). An azqemu failure is raised (past 16 MiB of output:
+        PayloadTooLarge, the command killed); so is a stream that ends without its exit."""
         body: dict[str, Any] = {"argv": list(argv), "timeout_s": timeout_s}
         if stdin is not None:
             body["stdin_b64"] = base64.b64encode(stdin).decode()
@@ -257,10 +259,13 @@ class Client:
                     if "data_b64" in ev:
                         ev["data"] = base64.b64decode(ev.pop("data_b64"))
                     yield ev
+                    if ev.get("event") == "exit":
+                        return
         except httpx.ConnectError as exc:
             raise DaemonUnavailable(self.where, _why(exc)) from exc
         except httpx.TransportError as exc:
             raise DaemonError(f"the exec stream from {self.where} broke: {_why(exc)}") from exc
+        raise DaemonError(f"the exec stream from {self.where} ended before the command's exit")
 
     def phase(self, name: str, phase: str) -> m.PhaseResult:
         return m.PhaseResult.model_validate(self._request("POST", f"/sandboxes/{_name(name)}/phase",

@@ -73,9 +73,10 @@ def _validation_error(errs: list[Any]) -> AzqemuError:
 
 
 def make_app(manager: Any, jobs: Jobs | None = None, tags: SandboxTags | None = None) -> FastAPI:
-    """The API over ``manager`` (an ``azqemu.daemon.manager.Manager``); labels and TTLs in ``tags``."""
+    """The API over ``manager`` (an ``azqemu.daemon.manager.Manager``); labels and TTLs through
+    ``tags`` (kept in the sandbox records)."""
     jobs = jobs or Jobs()
-    tags = tags or SandboxTags(manager.cfg.state_dir / "api-tags.json")
+    tags = tags or SandboxTags(manager.registry)
     app = FastAPI(title="azqemu", version=__version__, openapi_url=f"{PREFIX}/openapi.json",
                   docs_url=f"{PREFIX}/docs", redoc_url=None,
                   description="Dense AI-agent sandbox VMs through guest-memory compression. "
@@ -84,13 +85,8 @@ def make_app(manager: Any, jobs: Jobs | None = None, tags: SandboxTags | None = 
     app.state.manager = manager
     app.state.jobs = jobs
     app.state.tags = tags
-    if hasattr(manager, "labels_of"):   # labels go into the domains' <metadata> too
-        manager.labels_of = lambda name: tags.get(name)["labels"]
-
-    def labels_changed(name: str) -> None:
-        meta = getattr(manager, "metadata", None)
-        if meta is not None:
-            meta.request(name)
+    if hasattr(manager, "labels_of"):   # labels go into the domains' <metadata> too (the
+        manager.labels_of = lambda name: tags.get(name)["labels"]   # record's change asks for it)
 
     @app.exception_handler(AzqemuError)
     async def _azq(_req: Request, exc: AzqemuError) -> JSONResponse:
@@ -210,8 +206,7 @@ def make_app(manager: Any, jobs: Jobs | None = None, tags: SandboxTags | None = 
                        ) -> Any:
         """Sandboxes with their state, template, memory and labels; filters match exactly."""
         selectors = [parse_selector(sel) for sel in label or []]
-        rows = [dict(r, **tags.get(r["name"])) for r in call("list")]
-        tags.prune({r["name"] for r in rows})
+        rows = call("list")   # each row is its record's, labels and expires_at included
         want = {"state": state, "template": template, "sharing_domain": sharing_domain}
         return [r for r in rows if all(v is None or r.get(k) == v for k, v in want.items())
                 and matches(r, selectors)]
@@ -224,27 +219,24 @@ def make_app(manager: Any, jobs: Jobs | None = None, tags: SandboxTags | None = 
         kw = req.model_dump()
         labels, ttl_s = check_labels(kw.pop("labels")), check_ttl(kw.pop("ttl_s"))
         rows = call("clone", **kw)
-        for r in rows:
-            tags.assign(r["name"], labels, ttl_s)
-            labels_changed(r["name"])
-        return [dict(r, **tags.get(r["name"])) for r in rows]
+        return [dict(r, **tags.assign(r["name"], labels, ttl_s)) if labels or ttl_s is not None else r
+                for r in rows]
 
     @app.get(f"{PREFIX}/sandboxes/{{name}}", response_model=models.DomInfo, tags=[SANDBOX], responses=ERRORS)
     def dominfo(name: str) -> Any:
-        return dict(call("dominfo", name=name), **tags.get(name))
+        return call("dominfo", name=name)
 
     @app.patch(f"{PREFIX}/sandboxes/{{name}}", response_model=models.DomInfo, tags=[SANDBOX], responses=ERRORS)
     def update(name: str, req: models.SandboxUpdate) -> Any:
         """Set labels (merged, or replaced) and a new time to live from now."""
-        info = call("dominfo", name=name)   # SandboxNotFound first
-        tags.assign(name, req.labels, req.ttl_s, replace=req.replace_labels)
-        labels_changed(name)
-        return dict(info, **tags.get(name))
+        checks.check_args("dominfo", {"name": name})
+        tags.assign(name, req.labels, req.ttl_s, replace=req.replace_labels)   # SandboxNotFound if unknown
+        return call("dominfo", name=name)
 
     @app.delete(f"{PREFIX}/sandboxes/{{name}}", status_code=204, tags=[SANDBOX], responses=ERRORS)
     def destroy(name: str) -> Response:
         call("destroy", name=name)
-        tags.forget(name)
+        tags.forget(name)   # its record (labels, expiry) went with it
         return Response(status_code=204)
 
     @app.put(f"{PREFIX}/sandboxes/{{name}}/files", response_model=models.FileWritten, tags=[SANDBOX],
@@ -277,15 +269,17 @@ def make_app(manager: Any, jobs: Jobs | None = None, tags: SandboxTags | None = 
 
     @app.post(f"{PREFIX}/sandboxes/{{name}}/exec/stream", tags=[SANDBOX], responses={
         **ERRORS, 200: {"content": {streams.NDJSON: {"schema": {"type": "string"}}}, "description": (
-            "JSON lines: {event: started}, {event: running, elapsed_s} while it runs, {event: stdout|stderr, "
-            "data_b64} chunks, then {event: exit, exit_code, duration_s, ...} or {event: error, error}")}})
+            "JSON lines: {event: started}, {event: stdout|stderr, data_b64} chunks as the command writes "
+            "them, {event: running, elapsed_s} every 5 s without output, then {event: exit, exit_code, "
+            "duration_s, ...} or {event: error, error}")}})
     def exec_stream(name: str, req: models.ExecRequest) -> Any:
-        """``exec`` as a stream of JSON lines: liveness while the command runs, then its output
-        and exit (the guest agent gives output only once the command has exited)."""
+        """``exec`` as a stream of JSON lines: the command's stdout and stderr while it runs
+        (at most 16 MiB in all: past it the command is killed, the last line a PayloadTooLarge
+        error), then its exit."""
         kw = dict(name=name, **req.model_dump())
         checks.check_args("exec", kw)
         manager.registry.record(name)   # SandboxNotFound as a 404, before the stream starts
-        return streams.exec_response(lambda: call("exec", **kw),
+        return streams.exec_response(lambda sink: manager.op_exec(**kw, on_output=sink),
                                      lambda exc: models.ErrorBody(error=error_info(exc)).model_dump(mode="json"))
 
     @app.post(f"{PREFIX}/sandboxes/{{name}}/phase", response_model=models.PhaseResult, tags=[SANDBOX],

@@ -8,6 +8,7 @@ reserves 124-127 for its own failures (README.md, exit codes).
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from typing import Any
@@ -17,7 +18,7 @@ import click
 from azqemu.api.models import SandboxInfo
 from azqemu.cli.output import emit, json_option
 from azqemu.client import Client
-from azqemu.errors import AgentTimeout, AzqemuError, DaemonUnavailable, ExecError
+from azqemu.errors import AgentTimeout, AzqemuError, DaemonError, DaemonUnavailable, ExecError
 from azqemu.units import fmt_bytes
 
 # azq exec's own exit codes (as docker exec's): the command's exit code is passed through,
@@ -26,6 +27,7 @@ EXEC_TIMED_OUT = 124      # the command did not finish within --timeout (killed 
 EXEC_AZQEMU_ERROR = 125   # the daemon, the sandbox or the guest agent failed
 EXEC_CANNOT_RUN = 126     # the guest agent could not start the command
 EXEC_NOT_FOUND = 127      # ... because it does not exist
+EXEC_BROKEN_PIPE = 141    # azq's stdout was closed (as a shell reports a death by SIGPIPE)
 
 
 def _size(n: int | None) -> str:
@@ -166,15 +168,21 @@ def exec_exit_code(exc: AzqemuError) -> int:
 @click.argument("name")
 @click.option("--timeout", "timeout_s", default=300.0, show_default=True, type=float, help="Seconds.")
 @click.option("-i", "--stdin", "with_stdin", is_flag=True, help="Send azq's standard input to the command.")
+@click.option("--stream/--no-stream", default=True, show_default=True,
+              help="Print the output as the command writes it; --no-stream: all of it at its exit "
+                   "(--json is always all at the exit).")
 @json_option
 @click.argument("argv", nargs=-1, type=click.UNPROCESSED, required=True)
-def exec_(name: str, timeout_s: float, with_stdin: bool, as_json: bool, argv: tuple[str, ...]) -> None:
+def exec_(name: str, timeout_s: float, with_stdin: bool, stream: bool, as_json: bool, argv: tuple[str, ...]) -> None:
     """Run a command in sandbox NAME through the guest agent: azq exec NAME -- CMD ARGS...
 
-    Exits with the command's exit code; 124 if it timed out, 125 if azqemu failed (daemon,
-    sandbox, guest agent), 126 if the command could not be started, 127 if it was not found."""
+    Its stdout and stderr appear as it writes them (at most 16 MiB in all). Exits with the
+    command's exit code; 124 if it timed out, 125 if azqemu failed (daemon, sandbox, guest
+    agent, output past 16 MiB), 126 if the command could not be started, 127 if it was not found."""
     stdin = sys.stdin.buffer.read() if with_stdin else None
     try:
+        if stream and not as_json:
+            sys.exit(_exec_streamed(name, list(argv), timeout_s, stdin))
         res = Client().exec(name, list(argv), timeout_s=timeout_s, stdin=stdin)
     except AzqemuError as exc:
         exc.exit_code = exec_exit_code(exc)
@@ -190,6 +198,28 @@ def exec_(name: str, timeout_s: float, with_stdin: bool, as_json: bool, argv: tu
         sys.stderr.buffer.write(res.stderr)
         sys.stderr.flush()
     sys.exit(res.exit_code)
+
+
+def _exec_streamed(name: str, argv: list[str], timeout_s: float, stdin: bytes | None) -> int:
+    """Write the command's output as it comes; its exit code. A reader of our stdout that
+    leaves (``| head``) ends the stream, which stops the command in the guest."""
+    outs = {"stdout": sys.stdout.buffer, "stderr": sys.stderr.buffer}
+    with Client() as c:
+        events = c.exec_stream(name, argv, timeout_s=timeout_s, stdin=stdin)
+        try:
+            for ev in events:
+                out = outs.get(ev["event"])
+                if out is not None:
+                    out.write(ev["data"])
+                    out.flush()
+                elif ev["event"] == "exit":
+                    logging.getLogger("azqemu").debug("exec in %s took %.3f s", name, ev.get("duration_s", 0.0))
+                    return int(ev["exit_code"])
+        except BrokenPipeError:
+            events.close()   # type: ignore[attr-defined]
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second error at exit
+            return EXEC_BROKEN_PIPE
+    raise DaemonError(f"the exec stream of {name!r} ended before the command's exit")
 
 
 def _simple(op: str, verb: str) -> click.Command:
@@ -265,16 +295,18 @@ def phase(name: str, phase: str, as_json: bool) -> None:
 def list_(state: str | None, template: str | None, sharing_domain: str | None, labels: tuple[str, ...],
           as_json: bool) -> None:
     """List sandboxes with state, template and memory (read from the records and libvirt, without
-    memory figures or labels, when no daemon runs)."""
+    memory figures, when no daemon runs)."""
     try:
         rows = Client().list_sandboxes(state=state, template=template, sharing_domain=sharing_domain,
                                        label=list(labels) or None)
     except DaemonUnavailable as exc:
         rows = _offline_rows(exc)
         want = {"state": state, "template": template, "sharing_domain": sharing_domain}
-        rows = [r for r in rows if all(v is None or getattr(r, k) == v for k, v in want.items())]
-        if labels:
-            rows = []   # labels are the daemon's: none match without it
+        from azqemu.daemon.tags import matches, parse_selector
+
+        selectors = [parse_selector(sel) for sel in labels]
+        rows = [r for r in rows if all(v is None or getattr(r, k) == v for k, v in want.items())
+                and matches({"labels": r.labels}, selectors)]   # labels are in the records
     if as_json:
         emit(rows)
         return

@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
-from azqemu.agent import GuestAgent
+from azqemu.agent import GuestAgent, OutputSink
 from azqemu.daemon.eventlog import Publish, discard
 from azqemu.daemon.memsvc import MemoryService
 from azqemu.daemon.registry import Registry
@@ -262,7 +262,7 @@ class Lifecycle:
 
     # -- exec ----------------------------------------------------------------------------
     def exec(self, name: str, argv: list[str], timeout_s: float = EXEC_DEFAULT_TIMEOUT_S,
-             stdin_b64: str | None = None) -> dict[str, Any]:
+             stdin_b64: str | None = None, on_output: OutputSink | None = None) -> dict[str, Any]:
         if not argv:
             raise ConfigError("no command given (azq exec SANDBOX -- CMD ...)")
         t0 = time.monotonic()
@@ -286,7 +286,7 @@ class Lifecycle:
                 raise DomainStateError(name, dstate, "running")
             agent = GuestAgent(name, dom.agent_command)
             stdin = base64.b64decode(stdin_b64) if stdin_b64 else None
-            res = agent.exec(argv, timeout_s=float(timeout_s), stdin=stdin)
+            res = agent.exec(argv, timeout_s=float(timeout_s), stdin=stdin, on_output=on_output)  # streamed if given
         finally:
             slot.exec_ended()
             if st is not None:

@@ -27,6 +27,7 @@ from dataclasses import asdict
 from typing import Any
 
 from azqemu import config as config_mod
+from azqemu.agent import OutputSink
 from azqemu.daemon.accounting import Accounting
 from azqemu.daemon.domainmeta import MetadataWriter
 from azqemu.daemon.eventlog import EventLog
@@ -157,8 +158,8 @@ class Manager:
                                           policy=policy, grace_s=grace_s)
 
     def op_exec(self, name: str, argv: list[str], timeout_s: float = EXEC_DEFAULT_TIMEOUT_S,
-                stdin_b64: str | None = None) -> dict[str, Any]:
-        return self.lifecycle.exec(name, argv, timeout_s=timeout_s, stdin_b64=stdin_b64)
+                stdin_b64: str | None = None, on_output: OutputSink | None = None) -> dict[str, Any]:
+        return self.lifecycle.exec(name, argv, timeout_s=timeout_s, stdin_b64=stdin_b64, on_output=on_output)
 
     def op_phase(self, name: str, phase: str) -> dict[str, Any]:
         out = self.schedsvc.phase(name, phase)

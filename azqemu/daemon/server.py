@@ -224,7 +224,7 @@ def serve(socket_path: Path | None = None) -> None:
     manager = Manager(cfg)
     try:
         metrics_listener = metrics.listen_from_env(manager)  # AZQ_METRICS_ADDR, off by default
-        tags = SandboxTags(cfg.state_dir / "api-tags.json")
+        tags = SandboxTags(manager.registry, legacy_path=cfg.state_dir / "api-tags.json")
         app = make_app(manager, tags=tags)
         reaper = TtlReaper(tags, manager)
         limiter = Limiter()

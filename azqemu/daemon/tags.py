@@ -5,10 +5,11 @@ Labels are an orchestrator's own key/value pairs (``task=42``, ``tenant=acme``):
 sandbox expire: the reaper destroys it through the manager's own ``op_destroy`` (the normal
 path: its memory is released, its record removed) once ``expires_at`` has passed.
 
-Both are kept in one JSON file in the state directory (``api-tags.json``, written atomically:
-a temporary file, fsync, rename) so they survive a daemon restart, beside the sandbox records
-they annotate; a sandbox that goes away by any path loses its tags at the next write (``prune``)
-and a new clone of the same name starts with its own.
+Both are fields of the sandbox's record (``SandboxRecord.labels``, ``expires_at``, written
+with the rest of it by the registry), so they survive a daemon restart and go away with the
+sandbox by whatever path it goes; a new clone of the same name starts with its own. Daemons
+before this kept them in ``api-tags.json`` in the state directory: ``migrate_legacy`` moves
+that file's entries into the records once, at start, and removes it.
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import re
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from azqemu.daemon.registry import Registry
 from azqemu.errors import AzqemuError, ConfigError, SandboxNotFound
 
 log = logging.getLogger(__name__)
@@ -61,71 +62,108 @@ def parse_selector(selector: str) -> tuple[str, str | None]:
 
 
 class SandboxTags:
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._lock = threading.Lock()
-        self._tags: dict[str, dict[str, Any]] = self._load()
+    """Labels and time to live of the sandboxes, in their records.
 
-    def _load(self) -> dict[str, dict[str, Any]]:
-        try:
-            data = json.loads(self.path.read_text())
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError) as exc:
-            log.warning("%s unreadable (%s): sandboxes start without labels and TTLs", self.path, exc)
-            return {}
-        return {str(k): v for k, v in data.items() if isinstance(v, dict)} if isinstance(data, dict) else {}
+    The expiry times are also kept in memory (the reaper asks every second; reading every
+    record that often would cost more than it needs), and checked against the record before
+    a sandbox is reaped: a name destroyed and cloned again must not inherit its old lease.
+    """
 
-    def _save(self) -> None:
-        """The caller holds the lock."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        with open(tmp, "w") as f:
-            json.dump(self._tags, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+    def __init__(self, registry: Registry, legacy_path: Path | None = None) -> None:
+        self.reg = registry
+        self._lock = threading.Lock()   # assign's read-merge-write, and the expiry table
+        if legacy_path is not None:
+            migrate_legacy(registry, legacy_path)
+        self._expiry: dict[str, float] = {r.name: r.expires_at for r in registry.sandboxes.list()
+                                          if r.expires_at is not None}
 
     def assign(self, name: str, labels: dict[str, str] | None = None, ttl_s: float | None = None, *,
-            replace: bool = True) -> dict[str, Any]:
+               replace: bool = True) -> dict[str, Any]:
         """Labels (all of them when ``replace``, else merged; an empty value removes a key) and a
-        TTL from now (None: keep the one there is, unless ``replace``)."""
+        TTL from now (None: keep the one there is, unless ``replace``). SandboxNotFound if the
+        sandbox has no record."""
         labels = check_labels(labels or {})
         check_ttl(ttl_s)
         with self._lock:
-            cur = {} if replace else dict(self._tags.get(name, {}))
-            merged: dict[str, str] = {} if replace else dict(cur.get("labels", {}))
+            cur = self.reg.record(name)
+            merged: dict[str, str] = {} if replace else dict(cur.labels)
             merged.update(labels)
             kept = check_labels({k: v for k, v in merged.items() if v != "" or replace})
-            expires_at = (time.time() + ttl_s) if ttl_s is not None else cur.get("expires_at")
-            entry: dict[str, Any] = {"labels": kept, "expires_at": expires_at}
-            self._tags[name] = entry
-            self._save()
-            return dict(entry)
+            expires_at = (time.time() + ttl_s) if ttl_s is not None else (None if replace else cur.expires_at)
+            if self.reg.update_record(name, labels=kept, expires_at=expires_at) is None:
+                raise SandboxNotFound(name)
+            if expires_at is None:
+                self._expiry.pop(name, None)
+            else:
+                self._expiry[name] = expires_at
+            return {"labels": dict(kept), "expires_at": expires_at}
 
     def get(self, name: str) -> dict[str, Any]:
-        with self._lock:
-            entry = self._tags.get(name, {})
-            return {"labels": dict(entry.get("labels", {})), "expires_at": entry.get("expires_at")}
-
-    def forget(self, name: str) -> None:
-        with self._lock:
-            if self._tags.pop(name, None) is not None:
-                self._save()
-
-    def prune(self, alive: set[str]) -> None:
-        """Drop the tags of sandboxes that no longer exist."""
-        with self._lock:
-            gone = [n for n in self._tags if n not in alive]
-            for n in gone:
-                del self._tags[n]
-            if gone:
-                self._save()
+        """The sandbox's labels and expiry (none for a sandbox without a record)."""
+        try:
+            rec = self.reg.record(name)
+        except SandboxNotFound:
+            return {"labels": {}, "expires_at": None}
+        return {"labels": dict(rec.labels), "expires_at": rec.expires_at}
 
     def expired(self, now: float | None = None) -> list[str]:
         now = time.time() if now is None else now
         with self._lock:
-            return [n for n, e in self._tags.items() if e.get("expires_at") is not None and e["expires_at"] <= now]
+            due = [n for n, t in self._expiry.items() if t <= now]
+        out = []
+        for name in due:
+            try:
+                rec = self.reg.record(name)
+            except SandboxNotFound:
+                rec = None
+            if rec is not None and rec.expires_at is not None and rec.expires_at <= now:
+                out.append(name)
+            else:   # gone by another path, or a new sandbox of that name: not this lease
+                self.forget(name)
+        return out
+
+    def forget(self, name: str) -> None:
+        """Stop watching ``name``'s lease (its record goes with the sandbox)."""
+        with self._lock:
+            self._expiry.pop(name, None)
+
+
+def migrate_legacy(registry: Registry, path: Path) -> int:
+    """Move the labels and TTLs an older daemon kept in ``api-tags.json`` into the records, then
+    remove the file; returns how many sandboxes got theirs. A record that has labels or a TTL
+    of its own keeps them (so a second run after a crash here changes nothing); entries of
+    sandboxes without a record, or that are not valid, are dropped with a warning. A file that
+    cannot be read is left where it is."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return 0
+    except (OSError, ValueError, RecursionError) as exc:
+        log.warning("%s unreadable (%s): left in place, its labels and TTLs not moved", path, exc)
+        return 0
+    moved = 0
+    for name, entry in (data.items() if isinstance(data, dict) else ()):
+        try:
+            labels = check_labels(dict(entry.get("labels") or {}))
+            expires_at = entry.get("expires_at")
+            if expires_at is not None and (isinstance(expires_at, bool) or not isinstance(expires_at, int | float)
+                                           or not math.isfinite(expires_at)):
+                raise ConfigError("expires_at must be a unix time")
+            rec = registry.record(str(name))
+        except SandboxNotFound:
+            log.warning("%s: %r has no record any more: its labels are dropped", path, name)
+            continue
+        except (AttributeError, TypeError, ValueError, AzqemuError) as exc:
+            log.warning("%s: the entry of %r is not valid (%s): dropped", path, name, exc)
+            continue
+        if rec.labels or rec.expires_at is not None:
+            continue
+        registry.update_record(rec.name, labels=labels,
+                               expires_at=float(expires_at) if expires_at is not None else None)
+        moved += 1
+    path.unlink(missing_ok=True)
+    log.info("moved the labels and TTLs of %d sandbox(es) from %s into their records", moved, path)
+    return moved
 
 
 def matches(tags: dict[str, Any], selectors: list[tuple[str, str | None]]) -> bool:

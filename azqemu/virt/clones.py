@@ -17,7 +17,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from azqemu import config as config_mod
@@ -60,6 +60,9 @@ class SandboxRecord:
     state: str = "running"    # lifecycle state (azqemu/daemon/states.py), kept by the daemon
     failed_reason: str | None = None   # why it is ``failed``
     qemu_uid: int | None = None   # the uid its QEMU runs as (identity.allocate_qemu_ids)
+    # The orchestrator's labels and the unix time its time to live ends (daemon/tags.py).
+    labels: dict[str, str] = field(default_factory=dict)
+    expires_at: float | None = None
 
 
 # Called with (domain, qemu pid, identity, template) while the clone is paused, before its

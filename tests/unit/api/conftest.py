@@ -55,6 +55,6 @@ def served(cfg: config_mod.Config, host: Any, sandbox_meta_of: Any, template: An
     manager = Manager(cfg, host=host)
     path = cfg.run_dir / "api.sock"
     path.parent.mkdir(parents=True, exist_ok=True)
-    tags = SandboxTags(cfg.state_dir / "api-tags.json")
+    tags = SandboxTags(manager.registry, legacy_path=cfg.state_dir / "api-tags.json")
     with serve_in_thread(Guard(make_app(manager, tags=tags), limiter=Limiter()), path), Client(path) as client:
         yield Served(manager, path, client, tags)

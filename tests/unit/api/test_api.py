@@ -285,10 +285,13 @@ def test_labels_filters_and_a_ttl_that_destroys_through_the_manager(served: Serv
     one_error(raw(served, "GET", "/v1/sandboxes", params={"label": "=x"}), 400, "ConfigError")
     with pytest.raises(SandboxNotFound):
         c.update("nope", labels={"a": "b"})
-    # Labels survive a new daemon (the file in the state directory).
+    # Labels survive a new daemon: they are in the sandbox's record (and dominfo).
     from azqemu.daemon.tags import SandboxTags
+    from azqemu.virt.clones import SandboxRepo
 
-    assert SandboxTags(served.manager.cfg.state_dir / "api-tags.json").get("a-0")["labels"] == {"b": "1"}
+    assert SandboxRepo(served.manager.cfg).get("a-0").labels == {"b": "1"}
+    assert SandboxTags(served.manager.registry).get("a-0")["labels"] == {"b": "1"}
+    assert c.dominfo("a-0").labels == {"b": "1"} and c.list_sandboxes()[0].labels == {"b": "1"}
     info = c.update("a-0", ttl_s=0.2)
     assert info.expires_at is not None and info.expires_at > time.time()
     reaper = TtlReaper(served.tags, served.manager)

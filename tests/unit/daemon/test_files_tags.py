@@ -1,9 +1,11 @@
 """Files in and out of a guest (daemon/files.py: paths, chunks, the rename, the caps) and the
-API's labels and time to live (daemon/tags.py: checks, merge, persistence, expiry)."""
+API's labels and time to live (daemon/tags.py: checks, merge, kept in the records, expiry, the
+move from an older daemon's api-tags.json)."""
 
 from __future__ import annotations
 
 import base64
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -11,8 +13,10 @@ from typing import Any
 import pytest
 
 from azqemu.daemon import files
-from azqemu.daemon.tags import SandboxTags, check_labels, matches, parse_selector
-from azqemu.errors import ConfigError, GuestFileError, GuestFileNotFound, PayloadTooLarge
+from azqemu.daemon.registry import Registry
+from azqemu.daemon.tags import SandboxTags, check_labels, matches, migrate_legacy, parse_selector
+from azqemu.errors import ConfigError, GuestFileError, GuestFileNotFound, PayloadTooLarge, SandboxNotFound
+from azqemu.virt.clones import SandboxRecord, SandboxRepo
 
 
 class GuestShell:
@@ -86,18 +90,54 @@ def test_sizes_are_capped_both_ways_and_missing_files_are_404s() -> None:
         files.get(g, "a-0", "/tmp/none")
 
 
-def test_labels_merge_replace_persist_and_expire(tmp_path: Path) -> None:
-    tags = SandboxTags(tmp_path / "tags.json")
+def _record(registry: Registry, name: str, **kw: Any) -> SandboxRecord:
+    rec = SandboxRecord(name=name, template="base", sharing_domain="default", ram_mode="eager",
+                        uuid=f"uuid-{name}", created_at=time.time(), **kw)
+    registry.sandboxes.save(rec)
+    return rec
+
+
+def test_labels_merge_replace_persist_in_the_record_and_expire(registry: Registry) -> None:
+    for n in ("a", "b"):
+        _record(registry, n)
+    tags = SandboxTags(registry)
     tags.assign("a", {"task": "1", "team": "x"}, ttl_s=None)
     assert tags.assign("a", {"team": "", "more": "2"}, replace=False)["labels"] == {"task": "1", "more": "2"}
     assert tags.assign("a", {"only": "3"})["labels"] == {"only": "3"}
     tags.assign("b", {}, ttl_s=0.01)
-    again = SandboxTags(tmp_path / "tags.json")
+    with pytest.raises(SandboxNotFound):
+        tags.assign("nope", {"a": "b"})
+    # A new daemon (a new SandboxTags over new books) reads them from the records.
+    assert registry.sandboxes.get("a").labels == {"only": "3"}
+    again = SandboxTags(Registry(registry.cfg, registry.host, registry.templates, SandboxRepo(registry.cfg)))
     assert again.get("a") == {"labels": {"only": "3"}, "expires_at": None}
     time.sleep(0.02)
     assert again.expired() == ["b"]
-    again.prune({"a"})
-    assert SandboxTags(tmp_path / "tags.json").get("b") == {"labels": {}, "expires_at": None}
+    # b destroyed by another path, and a new b without a TTL: its old lease is not the new one's.
+    registry.sandboxes.remove("b")
+    _record(registry, "b")
+    assert again.expired() == [] and again.get("b") == {"labels": {}, "expires_at": None}
+
+
+def test_api_tags_json_moves_into_the_records_once(registry: Registry, tmp_path: Path) -> None:
+    _record(registry, "a")
+    _record(registry, "own", labels={"mine": "1"})
+    _record(registry, "bad")
+    legacy = tmp_path / "api-tags.json"
+    legacy.write_text(json.dumps({
+        "a": {"labels": {"task": "42"}, "expires_at": 4102444800.0},
+        "gone": {"labels": {"x": "1"}, "expires_at": None},          # no record: dropped
+        "own": {"labels": {"old": "1"}, "expires_at": None},          # the record's own win
+        "bad": {"labels": {"bad key": "v"}, "expires_at": "soon"},    # not valid: dropped
+        "worse": "not an entry"}))
+    tags = SandboxTags(registry, legacy_path=legacy)
+    assert not legacy.exists()
+    assert registry.sandboxes.get("a").labels == {"task": "42"} and registry.sandboxes.get("a").expires_at == 4102444800.0
+    assert tags.get("own")["labels"] == {"mine": "1"} and tags.get("bad") == {"labels": {}, "expires_at": None}
+    assert tags.expired(now=4102444800.0) == ["a"]
+    assert migrate_legacy(registry, legacy) == 0     # gone: nothing to do the second time
+    legacy.write_text("{not json")
+    assert migrate_legacy(registry, legacy) == 0 and legacy.exists()   # unreadable: left in place
 
 
 @pytest.mark.parametrize("labels", [{"bad key": "v"}, {"": "v"}, {"k": "x" * 300}, {"k": "a\nb"},
