@@ -92,7 +92,7 @@ class Accounting:
         tmpl = templates.get(rec.template) if templates.exists(rec.template) else None
         if tmpl:
             d.update(mem_mib=tmpl.mem_mib, vcpus=tmpl.vcpus, machine=tmpl.machine, accel=tmpl.accel)
-        d["manager_memory"] = selfmem.self_memory()
+        d["manager_memory"] = self.manager_memory()
         return d
 
     def owned(self, name: str, store_overhead: float = 1.0) -> dict[str, Any]:
@@ -198,4 +198,33 @@ class Accounting:
                 rows[n] = {"name": n, "error": str(exc)}
         return {"sandboxes": rows, "store_bytes": store_bytes, "store_live_bytes": store_live,
                 "manager_rss_bytes": psutil.Process().memory_info().rss,
-                "manager_memory": selfmem.self_memory()}
+                "manager_memory": self.manager_memory()}
+
+    def manager_memory(self) -> dict[str, int]:
+        """The manager's own memory and its parts (``azq daemon status --json``, ``azq
+        dominfo``, the density benchmark). From the kernel (/proc/self/status): ``rss_bytes``
+        = ``anon_bytes`` (its own) + ``file_bytes`` + ``shmem_bytes`` (shared page cache it
+        maps: the template images, the store's arenas, its code). From glibc (mallinfo2):
+        ``heap_bytes`` / ``heap_in_use_bytes`` / ``heap_free_bytes`` (free but held, the
+        address range at least) / ``mmapped_bytes``. From its own books: ``store_index_bytes``
+        (the page store's metadata of the sandboxes attached: blob rows, duplicate and
+        similarity entries, sandbox indices), ``template_index_bytes`` (hashes and lookups of
+        the template images it holds), ``sandbox_state_bytes`` (per-sandbox state: source
+        maps, fault handlers' maps and rings, hot sets, trim history) over ``sandboxes``."""
+        out = dict(selfmem.self_memory())
+        out.update(selfmem.heap_stats())
+        mems = list(self.memory.mem.values())
+        out["sandboxes"] = len(mems)
+        out["sandbox_state_bytes"] = sum(m.state_bytes() for m in mems)
+        out["template_index_bytes"] = sum(t.index_bytes for t in self.memory.loaded_templates() if not t.closed)
+        store = self.memory.opened_store()
+        index = 0
+        if store is not None:
+            for domain in {m.sharing_domain for m in mems}:
+                try:
+                    db = store.domain_bytes(domain)
+                except (KeyError, AzqemuError):
+                    continue
+                index += db.blob_bytes - db.payload_bytes + db.index_bytes
+        out["store_index_bytes"] = int(index)
+        return out

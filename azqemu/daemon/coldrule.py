@@ -50,6 +50,10 @@ class ColdRule:
         self._dropped = np.empty(0, dtype=np.int64)
         return self.after_s
 
+    def state_bytes(self) -> int:
+        """Memory held for the rule between trims (the dropped pages noted)."""
+        return int(self._dropped.nbytes)
+
     def forget_drops(self) -> None:
         """A compression starts a new fault record: drops noted before it cannot be judged."""
         self._dropped = np.empty(0, dtype=np.int64)

@@ -125,8 +125,16 @@ class Manager:
 
     # -- operations ----------------------------------------------------------------------
     def op_ping(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "started_at": self.started_at,
-                "sandboxes": len(self.registry.sandboxes.list())}
+        out: dict[str, Any] = {"pid": os.getpid(), "started_at": self.started_at,
+                               "sandboxes": len(self.registry.sandboxes.list())}
+        try:
+            # The manager's own memory and its parts (Accounting.manager_memory): a ping
+            # that cannot read them still answers.
+            out["manager_memory"] = mm = self.accounting.manager_memory()
+            out["manager_rss_bytes"] = mm["rss_bytes"]
+        except Exception as exc:  # noqa: BLE001
+            log.debug("manager memory: %s", exc)
+        return out
 
     def op_template_create(self, name: str, mem_mib: int = 512, vcpus: int = 1,
                            warmup: list[str] | None = None) -> dict[str, Any]:

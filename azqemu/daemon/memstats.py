@@ -3,7 +3,10 @@ the daemon returns them as dicts, the API as CompressResult, TrimResult and Resu
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
 
 from azqemu.errors import RestoreError
 
@@ -50,3 +53,31 @@ class ResumeStats:
     decode_s: float = 0.0      # pages decoded from the store (overlaps copy_s: pipelined)
     copy_s: float = 0.0        # UFFDIO_COPY into QEMU
     total_s: float = 0.0
+
+
+def memory_stats(mem: Any, *, reset: bool = False) -> dict[str, object]:
+    """Restore figures for ``azq bench restore`` and dashboards.
+
+    ``service_us`` is the handler's per-fault service time (fault message read to
+    UFFDIO_COPY done) over the faults since the last reset (the newest RING_SIZE of
+    them); ``reset`` starts a new window after reading. Fault counters are cumulative:
+    callers take differences."""
+    h = mem.handler.stats()
+    t_ns = mem.handler.service_times_ns()
+    if reset:
+        mem.handler.reset_service_times()
+    service: dict[str, float | int] = {"samples": int(len(t_ns))}
+    if len(t_ns):
+        t_us = t_ns / 1e3
+        service.update(min=float(t_us.min()), median=float(np.median(t_us)), p90=float(np.percentile(t_us, 90)),
+                       p99=float(np.percentile(t_us, 99)), max=float(t_us.max()),
+                       mean=float(t_us.mean()))
+    counters = asdict(h)
+    for k in ("service_us_median", "service_us_p99", "service_samples"):
+        counters.pop(k)
+    stored = (mem.store.owned_bytes(mem.name).as_dict() if mem.name in mem.store.sandboxes() else {})
+    return {"name": mem.name, "compressed": mem.compressed, "registered": mem.registered,
+            "copy_on_write": mem.cow, "store": stored,
+            "handler": counters, "service_us": service,
+            "last_compress": asdict(mem.last_compress), "last_resume": asdict(mem.last_resume),
+            "compress_s_total": mem.compress_s_total, "restore_s_total": mem.restore_s_total}

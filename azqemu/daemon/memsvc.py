@@ -132,6 +132,11 @@ class MemoryService:
     def _supervised(self) -> list[tuple[str, SupervisedMemory]]:
         return list(self.mem.items())
 
+    def loaded_templates(self) -> list[TemplateImage]:
+        """The template images the manager holds (mapped, indexed) now."""
+        with self._store_lock:
+            return [img for _, img in self._template_images.values()]
+
     def opened_store(self) -> PageStore | None:
         """The store if it was opened (accounting must not create one to read it)."""
         return self._store

@@ -40,15 +40,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
 from azqemu.daemon.coldrule import ColdRule, CopyHistory
-from azqemu.daemon.memstats import CompressCancelled, CompressStats, ResumeStats, TrimStats
+from azqemu.daemon.memstats import CompressCancelled, CompressStats, ResumeStats, TrimStats, memory_stats
 from azqemu.daemon.ramscan import RamScan
 from azqemu.errors import RestoreError, StoreError
+from azqemu.host import selfmem
 from azqemu.host.pagemap import unmapped_pages
 from azqemu.memory.crashpoint import crash_point, fail_point
 from azqemu.memory.kinds import Kind
@@ -385,6 +385,15 @@ class SandboxMemory:
                 and time.monotonic() - self._trimmed_at >= max(every_s, self.cold.after_s / 2))
 
     def trim(self, stop: Callable[[], bool] | None = None) -> TrimStats:
+        """``_trim``, then its freed buffers go back to the kernel (trims run every few s of a
+        tool call) and the template pages it read are forgotten."""
+        st = self._trim(stop)
+        if st.resident_pages:
+            self.template.drop_mapped()
+            selfmem.trim_heap()
+        return st
+
+    def _trim(self, stop: Callable[[], bool] | None = None) -> TrimStats:
         """Copy-on-write, in a tool call: drop the copies the guest is not using, so that a
         long tool call holds what it works on, not everything the sandbox ever had. Two kinds
         go, neither touched by a fault since the last compression (a page that faulted back is
@@ -481,6 +490,14 @@ class SandboxMemory:
             self._prefetched_idx = np.setdiff1d(self._prefetched_idx, drop, assume_unique=True)
             st.total_s = time.perf_counter() - t0
             return st
+
+    def state_bytes(self) -> int:
+        """Manager memory held for this sandbox between operations: source map, the fault
+        handler's maps and ring, hot set, trim history (a compression's buffers are freed)."""
+        h = self._history
+        return int(len(self.sources.kinds) + self.handler.state_bytes() + self.hot_idx.nbytes
+                   + self._prefetched_idx.nbytes + h.idx.nbytes + h.key.nbytes + h.since.nbytes + h.raw.nbytes
+                   + self.cold.state_bytes())
 
     def _equal_to_entries(self, idx: np.ndarray, pages: np.ndarray) -> np.ndarray:
         """For each copy, whether it still equals its stored entry (XXH3-128 of the page
@@ -579,29 +596,5 @@ class SandboxMemory:
     def faults(self) -> int:
         return self.handler.stats().faults
 
-    def memstats(self, *, reset: bool = False) -> dict[str, object]:
-        """Restore figures for ``azq bench restore`` and dashboards.
-
-        ``service_us`` is the handler's per-fault service time (fault message read to
-        UFFDIO_COPY done) over the faults since the last reset (the newest RING_SIZE of
-        them); ``reset`` starts a new window after reading. Fault counters are cumulative:
-        callers take differences."""
-        h = self.handler.stats()
-        t_ns = self.handler.service_times_ns()
-        if reset:
-            self.handler.reset_service_times()
-        service: dict[str, float | int] = {"samples": int(len(t_ns))}
-        if len(t_ns):
-            t_us = t_ns / 1e3
-            service.update(min=float(t_us.min()), median=float(np.median(t_us)), p90=float(np.percentile(t_us, 90)),
-                           p99=float(np.percentile(t_us, 99)), max=float(t_us.max()),
-                           mean=float(t_us.mean()))
-        counters = asdict(h)
-        for k in ("service_us_median", "service_us_p99", "service_samples"):
-            counters.pop(k)
-        stored = (self.store.owned_bytes(self.name).as_dict() if self.name in self.store.sandboxes() else {})
-        return {"name": self.name, "compressed": self.compressed, "registered": self.registered,
-                "copy_on_write": self.cow, "store": stored,
-                "handler": counters, "service_us": service,
-                "last_compress": asdict(self.last_compress), "last_resume": asdict(self.last_resume),
-                "compress_s_total": self.compress_s_total, "restore_s_total": self.restore_s_total}
+    def memstats(self, *, reset: bool = False) -> dict[str, object]:  # memstats.memory_stats
+        return memory_stats(self, reset=reset)

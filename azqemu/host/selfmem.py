@@ -7,6 +7,8 @@ template pages for the manager's. ``trim_heap`` hands freed heap back to the ker
 ``malloc_trim``: without it a process that once held a large buffer keeps it resident), and
 ``bound_heap_caching`` makes glibc serve large buffers by mmap, returned at free, whatever
 sizes it has seen before (no dynamic mmap threshold), from at most two heaps for all threads.
+``heap_stats`` reads glibc's own books (``mallinfo2``): bytes in use, bytes free but held in
+its heaps, bytes in mmapped chunks.
 """
 
 from __future__ import annotations
@@ -20,13 +22,26 @@ log = logging.getLogger(__name__)
 # glibc mallopt parameters (malloc.h)
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
-# Buffers from this size up are mmapped (and unmapped when freed).
-MMAP_THRESHOLD_BYTES = 1 << 20
+# Buffers from this size up are mmapped (and unmapped when freed). 256 KiB rather than glibc's
+# 128 KiB-and-growing: a compression's page arrays (2 MiB chunks, the encoder's buffers) and the
+# per-sandbox arrays of 256 KiB and more (the fault handler's 512 KiB service-time ring, a
+# calloc: its pages stay untouched until faults are timed) get mappings of their own, so none
+# of them is left in the middle of the heap where a freed range cannot go back to the kernel.
+MMAP_THRESHOLD_BYTES = 256 << 10
 # glibc gives each thread that allocates its own heap ("arena", up to 8 per core) by default:
 # the manager's many fault-handler threads would each keep freed memory the others cannot
 # reuse (a 20 MiB arena held by one thread was seen). Python threads take turns under the GIL,
 # so two arenas cost no contention worth the name.
 ARENA_MAX = 2
+
+
+
+class _Mallinfo2(ctypes.Structure):
+    """struct mallinfo2 (glibc >= 2.33, malloc.h): ten size_t counters, summed over arenas."""
+
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
 
 _STATUS_FIELDS = {"VmRSS": "rss_bytes", "RssAnon": "anon_bytes", "RssFile": "file_bytes",
                   "RssShmem": "shmem_bytes"}
@@ -41,6 +56,9 @@ def _libc() -> ctypes.CDLL | None:
 
 
 _LIBC = _libc()
+if _LIBC is not None and hasattr(_LIBC, "mallinfo2"):
+    _LIBC.mallinfo2.restype = _Mallinfo2
+    _LIBC.mallinfo2.argtypes = []
 
 
 def parse_status(text: str) -> dict[str, int]:
@@ -60,6 +78,19 @@ def self_memory(path: str = "/proc/self/status") -> dict[str, int]:
     page cache it maps, such as the template images)."""
     with open(path) as f:
         return parse_status(f.read())
+
+
+def heap_stats() -> dict[str, int]:
+    """glibc's heap books (mallinfo2, every arena): ``heap_bytes`` obtained from the kernel for
+    its heaps (brk and arena heaps), ``heap_in_use_bytes`` handed out from them,
+    ``heap_free_bytes`` free in them (held by glibc for reuse; the part malloc_trim already
+    gave back with MADV_DONTNEED is counted too, since glibc keeps the address range),
+    ``mmapped_bytes`` in chunks of their own mapping (unmapped at free). Empty without glibc."""
+    if _LIBC is None or not hasattr(_LIBC, "mallinfo2"):
+        return {}
+    mi = _LIBC.mallinfo2()
+    return {"heap_bytes": int(mi.arena), "heap_in_use_bytes": int(mi.uordblks),
+            "heap_free_bytes": int(mi.fordblks), "mmapped_bytes": int(mi.hblkhd), "mmapped_chunks": int(mi.hblks)}
 
 
 def trim_heap() -> bool:

@@ -248,6 +248,15 @@ class TemplateImage:
                 self._mapping.drop_ptes(self.n_pages * PAGE_SIZE)
 
     @property
+    def index_bytes(self) -> int:
+        """Process memory of the image's index (hashes, rows, duplicate and similarity
+        lookups), which the manager keeps while the template exists; the pages themselves are
+        the shared mapping, not counted here."""
+        arrays = (self.key, self.check, self.is_zero, self.row_of, self.page_idx, self._dup_keys, self._dup_rows)
+        sim = self._simindex
+        return int(sum(a.nbytes for a in arrays) + (getattr(sim, "nbytes", 0) if sim is not None else 0))
+
+    @property
     def data_bytes(self) -> int:
         """Memory the template's data pages occupy (reported once, separately)."""
         return len(self.page_idx) * PAGE_SIZE

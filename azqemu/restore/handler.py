@@ -251,6 +251,13 @@ class FaultHandler:
         for b in self._blocks:
             b.discarded = bytearray(len(b.discarded))
 
+    def state_bytes(self) -> int:
+        """Memory this handler holds for its sandbox: the per-page hot and discarded maps
+        (a byte per page each), the service-time ring (allocated size) and the page and
+        message buffers."""
+        per_page = sum(len(b.hot) + len(b.discarded) for b in self._blocks)
+        return int(per_page + self._ring.nbytes + len(self._page_map) + len(self._msg_buf))
+
     def service_times_ns(self) -> np.ndarray:
         """Service times (fault message read to UFFDIO_COPY done) of the newest faults."""
         return self._ring[:min(self._samples, len(self._ring))].copy()

@@ -24,6 +24,10 @@ class FakeMem:
         self.compressed = compressed
         self.compress_s_total = 0.5
         self.restore_s_total = 0.25
+        self.sharing_domain = "d@0"
+
+    def state_bytes(self) -> int:
+        return 1000
 
     def stored_bytes(self) -> int:
         return self.stored
@@ -46,7 +50,8 @@ def mgr(cfg: Any, host: Any, sandbox_meta_of: Any, template: TemplateMeta,
     # The store: 1500 bytes allocated in its arenas, 1000 of them live: every store byte
     # of a sandbox costs 1.5.
     store = SimpleNamespace(total_bytes=lambda: SimpleNamespace(
-        arena_allocated_bytes=1500, arena_live_bytes=1000, total_bytes=1000))
+        arena_allocated_bytes=1500, arena_live_bytes=1000, total_bytes=1000),
+        domain_bytes=lambda d: SimpleNamespace(blob_bytes=700, payload_bytes=600, index_bytes=50))
     monkeypatch.setattr(m.memory, "opened_store", lambda: store)
     monkeypatch.setattr(m.accounting, "ram_resident_bytes", lambda pid, mode: RESIDENT[pid])
     monkeypatch.setattr(procfs, "find_guest_ram", lambda pid, backing=None: (0, 1 << 30))
@@ -69,7 +74,11 @@ def test_owned_sums_resident_and_stored_with_the_store_overhead(mgr: Manager) ->
     assert out["manager_rss_bytes"] > 0
     # The manager's memory in parts: its own (anon) and the page cache it maps.
     parts = out["manager_memory"]
-    assert set(parts) == {"rss_bytes", "anon_bytes", "file_bytes", "shmem_bytes"} and parts["anon_bytes"] > 0
+    assert {"rss_bytes", "anon_bytes", "file_bytes", "shmem_bytes"} <= set(parts) and parts["anon_bytes"] > 0
+    # ... and its own books: per-sandbox state, the store's and the templates' indices, glibc's heap.
+    assert (parts["sandboxes"], parts["sandbox_state_bytes"]) == (2, 2000)
+    assert parts["store_index_bytes"] == 150 and parts["template_index_bytes"] == 0
+    assert parts["heap_in_use_bytes"] > 0 and "heap_free_bytes" in parts
     assert rows["m1"]["compress_cpu_s_total"] == 1.5
 
     assert rows["m0"] == {"name": "m0", "policy": "none-cow", "ram_mode": "eager",
