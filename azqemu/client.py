@@ -24,6 +24,7 @@ import re
 import ssl
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -54,27 +55,43 @@ def _token_from_env() -> str | None:
     return Path(path).read_text().strip() if path else None
 
 
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a client connects: a unix socket (``uds``) or a URL, with the headers (token)."""
+    where: str                  # what errors name: the socket path or the URL
+    base_url: str               # up to, without, the /v1 prefix
+    uds: str | None
+    headers: dict[str, str]
+
+
+def endpoint(socket_path: Path | str | None = None, url: str | None = None,
+             token: str | None = None) -> Endpoint:
+    """The daemon a client talks to: ``url`` (or ``AZQ_API_URL``) with a bearer token
+    (``token``, ``AZQ_API_TOKEN``, ``AZQ_API_TOKEN_FILE``), else the unix socket."""
+    url = url or (os.environ.get(ENV_URL) if socket_path is None else None)
+    headers = {"accept": "application/json"}
+    if url:
+        token = token if token is not None else _token_from_env()
+        if token:
+            headers["authorization"] = f"Bearer {token}"
+        return Endpoint(url, url.rstrip("/"), None, headers)
+    path = Path(socket_path) if socket_path else config_mod.load().daemon_socket
+    return Endpoint(str(path), "http://azqemu", str(path), headers)
+
+
 class Client:
     def __init__(self, socket_path: Path | str | None = None, *, url: str | None = None,
                  token: str | None = None, timeout_s: float | None = None,
                  verify: bool | str | ssl.SSLContext = True) -> None:
-        url = url or (os.environ.get(ENV_URL) if socket_path is None else None)
-        headers = {"accept": "application/json"}
-        if url:
-            self.where = url
-            token = token if token is not None else _token_from_env()
-            if token:
-                headers["authorization"] = f"Bearer {token}"
+        ep = endpoint(socket_path, url, token)
+        self.where = ep.where
+        if ep.uds is None:
             if isinstance(verify, str):   # a CA bundle (the daemon's own certificate)
                 verify = ssl.create_default_context(cafile=verify)
             transport = httpx.HTTPTransport(verify=verify)
-            base = url.rstrip("/")
         else:
-            path = Path(socket_path) if socket_path else config_mod.load().daemon_socket
-            self.where = str(path)
-            transport = httpx.HTTPTransport(uds=str(path))
-            base = "http://azqemu"
-        self._http = httpx.Client(transport=transport, base_url=base + PREFIX, headers=headers,
+            transport = httpx.HTTPTransport(uds=ep.uds)
+        self._http = httpx.Client(transport=transport, base_url=ep.base_url + PREFIX, headers=ep.headers,
                                   timeout=httpx.Timeout(timeout_s, connect=CONNECT_TIMEOUT_S))
 
     def close(self) -> None:

@@ -16,7 +16,7 @@ BENCH_TEMPLATE = "azq-bench"
 
 @click.group()
 def bench() -> None:
-    """Benchmarks (clone, restore, density, capacity)."""
+    """Benchmarks (clone, restore, density, capacity, nightly, api)."""
 
 
 def ensure_template(c: Client, name: str, mem_mib: int = 512) -> None:
@@ -85,6 +85,28 @@ def bench_restore(hot_mib: int, template_name: str | None, concurrent: int | Non
         click.echo(json.dumps(result, indent=2))
     else:
         click.echo(restore_bench.format_table(result))
+
+
+@bench.command("api")
+@click.option("-c", "--clients", default=8, show_default=True, type=click.IntRange(1, 256),
+              help="Concurrent clients, each with its own connection.")
+@click.option("-d", "--duration", "duration_s", default=5.0, show_default=True,
+              type=click.FloatRange(0.1, 600.0), help="Seconds of load (after 0.5 s of warm-up).")
+@click.option("--sandbox", default=None,
+              help="Whose dominfo and domstats to call [default: the first sandbox listed; none if there is none].")
+@json_option
+def bench_api(clients: int, duration_s: float, sandbox: str | None, as_json: bool) -> None:
+    """The API's own latency under load: N clients of cheap calls (ping, the sandbox and template
+    lists, a sandbox's dominfo and domstats) against the running daemon; requests/s, latency
+    median/p95/p99 per route, errors."""
+    from azqemu.bench import api_bench
+
+    result = api_bench.run(clients=clients, duration_s=duration_s, sandbox=sandbox,
+                           progress=None if as_json else _progress)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    else:
+        click.echo(api_bench.table(result))
 
 
 def _progress(msg: str) -> None:
