@@ -84,5 +84,9 @@ class CopyHistory:
         raw[unchanged] = self.raw[pos[unchanged]]
         return since, raw
 
+    @property
+    def nbytes(self) -> int:
+        return int(self.idx.nbytes + self.key.nbytes + self.since.nbytes + self.raw.nbytes)
+
     def keep(self, idx: np.ndarray, key: np.ndarray, since: np.ndarray, raw: np.ndarray) -> None:
         self.idx, self.key, self.since, self.raw = idx, key, since, raw

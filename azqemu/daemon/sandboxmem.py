@@ -40,6 +40,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -74,6 +75,10 @@ log = logging.getLogger(__name__)
 
 # QEMU creates the export socket when its constructor runs; a clone asks right after start.
 EXPORT_CONNECT_TIMEOUT_S = 10.0
+
+
+def _on_error(name: str, exc: BaseException, hva: int) -> None:  # FaultHandler's on_error
+    log.error("%s: fault at %#x cannot be served (the guest waits): %s", name, hva, exc)
 
 
 class SandboxMemory:
@@ -134,7 +139,8 @@ class SandboxMemory:
             else:
                 # A restarted manager: pages stored before it died come from the store again.
                 self.sources.assign(store.stored_pages(name), self._store_src)
-        self.handler = FaultHandler(self.handle, self._sources_for_blocks(), on_error=self._on_error,
+        # No bound method: a cycle would keep a destroyed sandbox's maps until a full gc.
+        self.handler = FaultHandler(self.handle, self._sources_for_blocks(), on_error=partial(_on_error, name),
                                     name=f"azq-faults-{name}")
         self.registered = False
         self.compressed = False
@@ -165,9 +171,6 @@ class SandboxMemory:
     def _sources_for_blocks(self) -> list[PageSource]:
         # Only the main RAM block is registered; other blocks (if any) get zero sources.
         return [self.sources if b is self.block else ZeroSource(b.page_size) for b in self.handle.blocks]
-
-    def _on_error(self, exc: BaseException, hva: int) -> None:
-        log.error("%s: fault at %#x cannot be served (the guest waits): %s", self.name, hva, exc)
 
     # -- life cycle ---------------------------------------------------------------------
     def attach(self) -> None:
@@ -385,8 +388,7 @@ class SandboxMemory:
                 and time.monotonic() - self._trimmed_at >= max(every_s, self.cold.after_s / 2))
 
     def trim(self, stop: Callable[[], bool] | None = None) -> TrimStats:
-        """``_trim``, then its freed buffers go back to the kernel (trims run every few s of a
-        tool call) and the template pages it read are forgotten."""
+        """``_trim``, then its freed buffers go back to the kernel, the template pages it read are forgotten."""
         st = self._trim(stop)
         if st.resident_pages:
             self.template.drop_mapped()
@@ -494,10 +496,8 @@ class SandboxMemory:
     def state_bytes(self) -> int:
         """Manager memory held for this sandbox between operations: source map, the fault
         handler's maps and ring, hot set, trim history (a compression's buffers are freed)."""
-        h = self._history
         return int(len(self.sources.kinds) + self.handler.state_bytes() + self.hot_idx.nbytes
-                   + self._prefetched_idx.nbytes + h.idx.nbytes + h.key.nbytes + h.since.nbytes + h.raw.nbytes
-                   + self.cold.state_bytes())
+                   + self._prefetched_idx.nbytes + self._history.nbytes + self.cold.state_bytes())
 
     def _equal_to_entries(self, idx: np.ndarray, pages: np.ndarray) -> np.ndarray:
         """For each copy, whether it still equals its stored entry (XXH3-128 of the page
