@@ -175,6 +175,13 @@ class DaemonCollector(Collector):
         yield GaugeMetricFamily("azqemu_store_live_bytes", "Page-store arena bytes in use", value=store_live)
         yield GaugeMetricFamily("azqemu_manager_resident_memory_bytes", "Resident memory of the manager process",
                                 value=psutil.Process().memory_info().rss)
+        parts = GaugeMetricFamily("azqemu_manager_memory_bytes", "The manager's memory by part "
+                                  "(Accounting.manager_memory: anon, file, shmem, heap_free, store_index, "
+                                  "template_index, sandbox_state)", labels=["part"])
+        for key, value in m.accounting.manager_memory().items():
+            if key.endswith("_bytes") and key != "rss_bytes":
+                parts.add_metric([key[:-len("_bytes")]], float(value))
+        yield parts
         lost = CounterMetricFamily("azqemu_sandboxes_lost", "Sandboxes whose domain ended outside azqemu "
                                    "(virsh destroy, a crash, a guest shutdown), released at once, by cause",
                                    labels=["cause"])
