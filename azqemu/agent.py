@@ -57,6 +57,8 @@ POLL_MAX_S = 0.05
 CALL_TIMEOUT_S = 10
 # How long exec waits for an agent that libvirt reported unresponsive before giving up.
 AGENT_RETRY_S = 15.0
+# How many times in a row a status query is asked again after the agent failed it.
+STATUS_RETRIES = 3
 # Output is captured by qemu-ga in guest memory; bound what we accept from an untrusted guest.
 MAX_OUTPUT_BYTES = 16 << 20
 
@@ -95,6 +97,11 @@ exec >>"$o" 2>>"$e"
 rm -f -- "$o" "$e" 2>/dev/null
 exec "$@"
 """
+
+# $1: a guest pid. Stopped first, so that it starts nothing more while its children are found
+# (pgrep -P, each in turn stopped), then killed from the leaves up.
+KILL_TREE = ('k() { kill -STOP "$1" 2>/dev/null; for c in $(pgrep -P "$1"); do k "$c"; done; '
+             'kill -9 "$1" 2>/dev/null; }; k "$1"')
 
 
 @dataclass(frozen=True)
@@ -214,18 +221,22 @@ class GuestAgent:
         return self._int(ret, "pid", "guest-exec")
 
     def _status(self, pid: int) -> dict[str, Any]:
-        """guest-exec-status, asked again after an agent that did not answer (it is idempotent)."""
-        while True:
+        """guest-exec-status, asked again after an agent that did not answer (it is idempotent),
+        a few times in a row at most: an agent that answers pings but never this is broken."""
+        for attempt in range(STATUS_RETRIES + 1):
             try:
                 st = self.call("guest-exec-status", pid=pid)
             except ExecError:
                 raise
             except AgentError:
+                if attempt == STATUS_RETRIES:
+                    raise
                 self.wait_ready(AGENT_RETRY_S)
                 continue
             if not isinstance(st, dict) or not isinstance(st.get("exited", False), bool):
                 raise self._malformed("guest-exec-status")
             return st
+        raise AssertionError("unreachable")
 
     def _exit_of(self, st: dict[str, Any]) -> tuple[int, int | None]:
         code, sig = st.get("exitcode"), st.get("signal")
@@ -235,10 +246,14 @@ class GuestAgent:
         return (128 + (sig or 0) if code is None else code), sig
 
     def _kill(self, pid: int) -> None:
+        """SIGKILL ``pid`` and everything it started (a shell's children would run on)."""
         try:
-            self.call("guest-exec", path="/bin/kill", arg=["-9", str(pid)])
+            ret = self.call("guest-exec", path="/bin/sh", arg=["-c", KILL_TREE, "azq-kill", str(pid)])
         except AgentError:
             log.warning("could not kill guest pid %d in %s", pid, self.domain_name)
+            return
+        with contextlib.suppress(AgentError):
+            self._reap(self._int(ret, "pid", "guest-exec"))
 
     def _int(self, ret: Any, key: str, what: str) -> int:
         v = ret.get(key) if isinstance(ret, dict) else None
@@ -388,6 +403,6 @@ def _decode(data: Any, limit_bytes: int = MAX_OUTPUT_BYTES) -> bytes:
     if len(data) > limit_bytes * 4 // 3 + 4:
         raise AgentError("guest agent returned more output than azqemu accepts")
     try:
-        return base64.b64decode(data)
+        return base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise AgentError("guest agent returned output that is not base64") from exc
