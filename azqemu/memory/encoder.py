@@ -315,9 +315,7 @@ class Encoder:
         uw = up.view(np.uint64)
         # Same-address template page (holes and zero template pages give no TDELTA).
         trows = template.rows(pidx)
-        has_t: np.ndarray = np.asarray(trows >= 0)
-        if has_t.any():
-            has_t[has_t] = ~template.is_zero[trows[has_t]]
+        has_t: np.ndarray = np.asarray(trows >= 0)     # rows are data pages: never all zero
         tpages = self._scratch("t", m)
         np.take(template.pages_z, np.where(trows >= 0, trows, template.zero_row), axis=0, out=tpages)
         same_t = (uw == tpages.view(np.uint64)).sum(axis=1)

@@ -63,7 +63,7 @@ def _zram_size(page: bytes, use_lzo: bool) -> int:
 def linux_model(template: TemplateImage, sandboxes: list[tuple[np.ndarray, np.ndarray]],
                 with_lzo: bool = True) -> LinuxModelResult:
     """Owned bytes of the sandboxes under the (idealised) Linux configuration."""
-    tpl_keys = set(zip(template.key[~template.is_zero].tolist(), template.check[~template.is_zero].tolist()))
+    tpl_keys = set(zip(template.keys_of(template.page_idx).tolist(), template.checks_of(template.page_idx).tolist()))
     # content -> list of sandbox numbers holding it (one entry per page)
     holders: dict[tuple[int, int], list[int]] = {}
     sample: dict[tuple[int, int], tuple[int, int]] = {}

@@ -56,7 +56,7 @@ def locate_page(table: BlobTable, arenas: ArenaSet, template: TemplateImage, pag
         tp = template.page(tpage)
         if tp is not None:
             src = tp
-            expect = int(template.check[template.row_of[tpage]])
+            expect = template.check_of(tpage)
     else:
         recipe = read_recipe(table, arenas, ref)
     return kind, src, expect, recipe
@@ -151,7 +151,7 @@ def write_rows(zstd: PageZstd, template: TemplateImage, page_idx: np.ndarray, ro
     # its load-time hashes.
     trows = np.flatnonzero(t_any & (src != template.zero_row))
     if len(trows):
-        bad = page_hashes_rows(out, trows)[1] != template.check[src[trows]]
+        bad = page_hashes_rows(out, trows)[1] != template.checks_of(src[trows])
         if bad.any():
             raise ChecksumMismatch(int(page_idx[trows[np.flatnonzero(bad)[0]]]), "template page")
     if len(batch.blobs):

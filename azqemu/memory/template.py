@@ -167,34 +167,61 @@ class TemplateImage:
         page in the template's tmpfs file; the image must not change identity because of it).
         """
         n = self.n_pages
-        self.key = np.full(n + 1, ZERO_KEY, dtype=np.uint64)
-        self.check = np.full(n + 1, ZERO_CHECK, dtype=np.uint64)
-        self.is_zero: np.ndarray = np.ones(n + 1, dtype=bool)
+        # Hashes are kept for the data pages only (aligned with ``page_idx``), and a page's
+        # place among them in ``slot_of``: 4 bytes per page of the RAM file rather than the
+        # 17 of dense per-page hashes (1.6 MiB less for a 512 MiB template, 13 for 4 GiB).
+        pages, keys, checks = [], [], []
         for first, count in _runs(idx):
             view = self.pages_z[first:first + count]
             data = view.view(np.uint64).any(axis=1)
             if not data.any():
                 continue
             k, c = page_hashes(view)
-            sl = slice(first, first + count)
-            self.key[sl] = np.where(data, k, self.key[sl])
-            self.check[sl] = np.where(data, c, self.check[sl])
-            self.is_zero[sl] &= ~data
-        self.page_idx = np.flatnonzero(~self.is_zero[:n]).astype(np.int64)
+            pages.append(np.flatnonzero(data) + first)
+            keys.append(k[data])
+            checks.append(c[data])
+        self.page_idx = np.concatenate(pages).astype(np.int64) if pages else np.zeros(0, np.int64)
+        self._keys = np.concatenate(keys).astype(np.uint64) if keys else np.zeros(0, np.uint64)
+        self._checks = np.concatenate(checks).astype(np.uint64) if checks else np.zeros(0, np.uint64)
+        self.slot_of = np.full(n + 1, -1, dtype=np.int32)   # last slot: "outside"
+        self.slot_of[self.page_idx] = np.arange(len(self.page_idx), dtype=np.int32)
         self.row_of = np.full(n + 1, -1, dtype=np.int32)    # last slot: "outside"
         self.row_of[self.page_idx] = self.page_idx.astype(np.int32)
         # Duplicate lookup: keys of the data pages, sorted, with their rows.
-        keys = self.key[self.page_idx]
-        order = np.argsort(keys, kind="stable")
-        self._dup_keys = keys[order]
+        order = np.argsort(self._keys, kind="stable")
+        self._dup_keys = self._keys[order]
         self._dup_rows = self.page_idx[order].astype(np.int32)
         h = xxhash.xxh3_128()
-        h.update(np.ascontiguousarray(self.check[self.page_idx]).tobytes())
+        h.update(np.ascontiguousarray(self._checks).tobytes())
         h.update(self.page_idx.tobytes())
         h.update(self.size_bytes.to_bytes(8, "little"))
         self.template_id = h.hexdigest()
 
     # -- lookups ---------------------------------------------------------------------------
+    def keys_of(self, page_idx: np.ndarray) -> np.ndarray:
+        """Lookup key (XXH3-128's first half) of each page; holes and pages past the image
+        have the zero page's."""
+        slot = self.slot_of[np.minimum(np.maximum(np.asarray(page_idx, dtype=np.int64), 0), self.n_pages)]
+        return np.where(slot >= 0, self._keys[np.maximum(slot, 0)] if len(self._keys) else ZERO_KEY,
+                        ZERO_KEY).astype(np.uint64)
+
+    def checks_of(self, page_idx: np.ndarray) -> np.ndarray:
+        """Checksum (XXH3-128's second half) of each page, as hashed at load time; holes and
+        pages past the image have the zero page's."""
+        slot = self.slot_of[np.minimum(np.maximum(np.asarray(page_idx, dtype=np.int64), 0), self.n_pages)]
+        return np.where(slot >= 0, self._checks[np.maximum(slot, 0)] if len(self._checks) else ZERO_CHECK,
+                        ZERO_CHECK).astype(np.uint64)
+
+    def check_of(self, page_idx: int) -> int:
+        """``checks_of`` for one page (the fault path: no array built)."""
+        slot = int(self.slot_of[page_idx]) if 0 <= page_idx < self.n_pages else -1
+        return int(self._checks[slot]) if slot >= 0 else ZERO_CHECK
+
+    @property
+    def is_zero(self) -> np.ndarray:
+        """Per page (and the "outside" slot): a hole or an all-zero page (built on each call)."""
+        return self.slot_of < 0
+
     def rows(self, page_idx: np.ndarray) -> np.ndarray:
         """Template row of each page index, -1 for holes and indices past the image."""
         idx = np.asarray(page_idx, dtype=np.int64)
@@ -235,7 +262,8 @@ class TemplateImage:
                 for first, count in _runs(self.page_idx):
                     fps[pos:pos + count] = sample_fingerprints(self.pages_z[first:first + count])
                     pos += count
-                self._simindex = SimilarityIndex.build(fps, self.page_idx.astype(np.int64))
+                # int32 sources (page indices): 16 bytes less per data page than int64.
+                self._simindex = SimilarityIndex.build(fps, self.page_idx.astype(np.int32))
                 if self.path is not None and self._mapping is not None:
                     self._mapping.drop_ptes(self.n_pages * PAGE_SIZE)
             return self._simindex
@@ -252,7 +280,7 @@ class TemplateImage:
         """Process memory of the image's index (hashes, rows, duplicate and similarity
         lookups), which the manager keeps while the template exists; the pages themselves are
         the shared mapping, not counted here."""
-        arrays = (self.key, self.check, self.is_zero, self.row_of, self.page_idx, self._dup_keys, self._dup_rows)
+        arrays = (self._keys, self._checks, self.slot_of, self.row_of, self.page_idx, self._dup_keys, self._dup_rows)
         sim = self._simindex
         return int(sum(a.nbytes for a in arrays) + (getattr(sim, "nbytes", 0) if sim is not None else 0))
 
