@@ -243,18 +243,22 @@ def run_policy(c: Client, template: str, wl: Workload, plan: list[list[Step]], p
 def compress_cpu_per_wait(c: Client, names: list[str]) -> dict[str, Any]:
     """Compression CPU per finished compression (one per LLM wait that outlasted the grace
     period), read fresh at the end of the run: ``compress_cpu_s_per_wait`` (None without a
-    compression). The CPU of a compression a resume cancelled counts, the compression not.
-    Per MiB the guest wrote is not given: the scheduler's compressions report their pages
-    encoded and left unchanged to no one the benchmark can ask."""
-    cpu, count = 0.0, 0
+    compression), and per MiB that reached the encoder (``compress_cpu_s_per_encoded_mib``:
+    pages new or changed since they were stored, about what the guest wrote; unchanged
+    copies are skipped). The CPU of a compression a resume cancelled counts, the
+    compression and its pages not."""
+    cpu, count, encoded = 0.0, 0, 0
     try:
         rows = c.owned(names).as_json()["sandboxes"]
         cpu = float(sum(rows[n].get("compress_cpu_s_total", 0.0) for n in names if n in rows))
+        encoded = int(sum(rows[n].get("compress_encoded_bytes_total", 0) for n in names if n in rows))
         count = sum(c.domstats(n).compress_count for n in names)
     except AzqemuError as exc:
         log.warning("compressions not counted: %s", exc)
         return {}
-    return {"compressions": count, "compress_cpu_s_per_wait": cpu / count if count else None}
+    return {"compressions": count, "compress_cpu_s_per_wait": cpu / count if count else None,
+            "compress_encoded_bytes_total": encoded,
+            "compress_cpu_s_per_encoded_mib": cpu / (encoded / (1 << 20)) if encoded else None}
 
 
 def _short(policy: str) -> str:

@@ -132,6 +132,7 @@ class Accounting:
                       "qemu_own_bytes": self.qemu_own_bytes(name, pid, rec.ram_mode, vma),
                       "compress_s_total": mem.compress_s_total if mem else 0.0,
                       "compress_cpu_s_total": self.memory.compress_cpu_s.get(name, 0.0),
+                      "compress_encoded_bytes_total": self.memory.compress_encoded_bytes.get(name, 0),
                       "restore_s_total": mem.restore_s_total if mem else 0.0}
 
     def qemu_own_bytes(self, name: str, pid: int, ram_mode: str, vma: dict[str, int] | None) -> int:

@@ -67,6 +67,10 @@ class MemoryService:
         self.mem: dict[str, SandboxMemory] = {}
         self.compress_cpu_s: dict[str, float] = {}   # compressing thread's CPU time per sandbox
         self.compress_count: dict[str, int] = {}     # compressions that finished, per sandbox
+        # Bytes that reached the encoder, per sandbox: pages new or changed since they were
+        # last stored (a copy-on-write clone's unchanged copies are skipped), i.e. about what
+        # the guest wrote; what compression CPU is paid per (bench density's per-MiB figure).
+        self.compress_encoded_bytes: dict[str, int] = {}
         self.restore_count: dict[str, int] = {}      # resumes of a compressed sandbox, per sandbox
         selfmem.bound_heap_caching()
         # Sandboxes whose stored pages were lost (a quarantined store or index): name -> reason.
@@ -249,6 +253,7 @@ class MemoryService:
         self.failed.pop(name, None)
         self.compress_cpu_s.pop(name, None)
         self.compress_count.pop(name, None)
+        self.compress_encoded_bytes.pop(name, None)
         self.restore_count.pop(name, None)
         with self._cancels_mu:
             self._cancels.pop(name, None)   # a later ticket of the name starts at 0: an older one stops
@@ -316,6 +321,8 @@ class MemoryService:
         durations.COMPRESS_SECONDS.observe(st.total_s)
         if not st.cancelled:
             self.compress_count[rec.name] = self.compress_count.get(rec.name, 0) + 1
+            encoded = max(0, st.resident_pages - st.unchanged_pages) * PAGE_SIZE
+            self.compress_encoded_bytes[rec.name] = self.compress_encoded_bytes.get(rec.name, 0) + encoded
         stored_bytes = mem.stored_bytes()
         self.publish(rec.name, "compress", "cancelled" if st.cancelled else "done",
                      stored_bytes=stored_bytes, stored_pages=st.stored_pages,

@@ -66,11 +66,12 @@ def test_series_without_host_cost_are_derived() -> None:
 class _PerWaitClient:
     """owned() and domstats() as the daemon answers them at the end of a policy's run."""
 
-    def __init__(self, cpu_s: dict[str, float], counts: dict[str, int]) -> None:
-        self.cpu_s, self.counts = cpu_s, counts
+    def __init__(self, cpu_s: dict[str, float], counts: dict[str, int], encoded: dict[str, int] | None = None) -> None:
+        self.cpu_s, self.counts, self.encoded = cpu_s, counts, encoded or {}
 
     def owned(self, names: list[str]) -> Any:
-        rows = {n: {"name": n, "compress_cpu_s_total": self.cpu_s[n]} for n in names}
+        rows = {n: {"name": n, "compress_cpu_s_total": self.cpu_s[n],
+                    "compress_encoded_bytes_total": self.encoded.get(n, 0)} for n in names}
         return SimpleNamespace(as_json=lambda: {"sandboxes": rows})
 
     def domstats(self, name: str) -> Any:
@@ -79,13 +80,15 @@ class _PerWaitClient:
 
 def test_compression_cpu_per_wait() -> None:
     from azqemu.bench.density import compress_cpu_per_wait
-    c = _PerWaitClient({"a": 1.5, "b": 0.5}, {"a": 3, "b": 1})
-    assert compress_cpu_per_wait(c, ["a", "b"]) == {"compressions": 4,  # type: ignore[arg-type]
-                                                    "compress_cpu_s_per_wait": pytest.approx(0.5)}
+    c = _PerWaitClient({"a": 1.5, "b": 0.5}, {"a": 3, "b": 1}, {"a": 3 * MIB, "b": 1 * MIB})
+    assert compress_cpu_per_wait(c, ["a", "b"]) == {  # type: ignore[arg-type]
+        "compressions": 4, "compress_cpu_s_per_wait": pytest.approx(0.5),
+        "compress_encoded_bytes_total": 4 * MIB, "compress_cpu_s_per_encoded_mib": pytest.approx(0.5)}
     # No compression (none, none-cow, linux): no figure, not a division by zero.
     c = _PerWaitClient({"a": 0.0}, {"a": 0})
     assert compress_cpu_per_wait(c, ["a"]) == {"compressions": 0,  # type: ignore[arg-type]
-                                               "compress_cpu_s_per_wait": None}
+                                               "compress_cpu_s_per_wait": None, "compress_encoded_bytes_total": 0,
+                                               "compress_cpu_s_per_encoded_mib": None}
     # It reaches the policy's figures and the report's column.
     run = _run("agentzip", [300, 500], [200, 300], extra={"compressions": 4, "compress_cpu_s_per_wait": 0.5})
     res = summarize(SimpleNamespace(name="w"), 2, [run], 0)  # type: ignore[arg-type]

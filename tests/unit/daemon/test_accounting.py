@@ -84,7 +84,7 @@ def test_owned_sums_resident_and_stored_with_the_store_overhead(mgr: Manager) ->
     assert rows["m0"] == {"name": "m0", "policy": "none-cow", "ram_mode": "eager",
                                "owned_bytes": 10 * PAGE, "resident_bytes": 10 * PAGE, "stored_bytes": 0,
                                "qemu_own_bytes": 99_000, "compress_s_total": 0.0, "restore_s_total": 0.0,
-                               "compress_cpu_s_total": 0.0}
+                               "compress_cpu_s_total": 0.0, "compress_encoded_bytes_total": 0}
     # memfd clone with pages in the store: 2000 stored bytes x 1.5
     assert (rows["m1"]["resident_bytes"], rows["m1"]["stored_bytes"], rows["m1"]["owned_bytes"]) == \
         (20 * PAGE, 3000, 20 * PAGE + 3000)
