@@ -25,6 +25,8 @@ from azqemu.virt.host import Domain
 # Reading a process's smaps walks all its mappings (~2 ms): QEMU's own memory is read again
 # only this often per sandbox, not at every sample of the process that serves page faults.
 QEMU_OWN_REFRESH_S = 10.0
+# The manager's memory in ``ping`` (azq daemon status) is at most this old.
+MANAGER_MEMORY_MAX_AGE_S = 1.0
 
 
 class Accounting:
@@ -32,6 +34,7 @@ class Accounting:
         self.reg = registry
         self.memory = memory
         self._qemu_own_cache: dict[str, tuple[int, float, int]] = {}
+        self._manager_memory_cache: tuple[float, dict[str, int]] | None = None
 
     def qemu_pid(self, name: str) -> int | None:
         try:
@@ -200,6 +203,15 @@ class Accounting:
         return {"sandboxes": rows, "store_bytes": store_bytes, "store_live_bytes": store_live,
                 "manager_rss_bytes": psutil.Process().memory_info().rss,
                 "manager_memory": self.manager_memory()}
+
+    def manager_memory_cached(self, max_age_s: float = MANAGER_MEMORY_MAX_AGE_S) -> dict[str, int]:
+        """``manager_memory`` read again at most every ``max_age_s`` (for ``ping``, which
+        clients call often: the store's books are walked per domain)."""
+        now = time.monotonic()
+        cached = self._manager_memory_cache
+        if cached is None or now - cached[0] >= max_age_s:
+            cached = self._manager_memory_cache = (now, self.manager_memory())
+        return cached[1]
 
     def manager_memory(self) -> dict[str, int]:
         """The manager's own memory and its parts (``azq daemon status --json``, ``azq

@@ -130,7 +130,7 @@ class Manager:
         try:
             # The manager's own memory and its parts (Accounting.manager_memory): a ping
             # that cannot read them still answers.
-            out["manager_memory"] = mm = self.accounting.manager_memory()
+            out["manager_memory"] = mm = self.accounting.manager_memory_cached()
             out["manager_rss_bytes"] = mm["rss_bytes"]
         except Exception as exc:  # noqa: BLE001
             log.debug("manager memory: %s", exc)

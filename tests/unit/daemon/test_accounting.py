@@ -144,3 +144,13 @@ def test_domstats_gives_state_bytes_and_counters(mgr: Manager) -> None:
     assert (st["compress_count"], st["restore_count"]) == (0, 0)
     assert (st["faults"], st["faults_served"], st["fault_errors"]) == (7, 6, 0)
     assert {"phase", "policy", "domain_state"} <= set(st)
+
+
+def test_ping_reports_the_managers_memory_in_parts_read_at_most_once_a_second(mgr: Manager) -> None:
+    p = mgr.op_ping()
+    parts = p["manager_memory"]
+    assert p["manager_rss_bytes"] == parts["rss_bytes"] > 0
+    assert {"anon_bytes", "file_bytes", "shmem_bytes", "heap_free_bytes", "store_index_bytes",
+            "template_index_bytes", "sandbox_state_bytes", "sandboxes"} <= set(parts)
+    assert mgr.op_ping()["manager_memory"] is parts                 # cached ...
+    assert mgr.accounting.manager_memory_cached(max_age_s=0.0) is not parts   # ... for a while
