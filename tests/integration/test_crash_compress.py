@@ -55,7 +55,7 @@ def _md5_ok(name: str) -> None:
 @pytest.mark.parametrize(("ram_mode", "point"), [
     ("lazy", "after-discard-batch@2"), ("lazy", "after-flush"), ("lazy", "after-encode"),
     ("cow", "after-discard-batch"), ("cow", "between-generation-files"),
-    ("eager", "after-discard-batch@3"), ("eager", "after-commit")])
+    ("eager", "after-discard-batch@3"), ("eager", "after-commit"), ("lazy", "after-reclaim@2")])
 def test_manager_killed_during_compress_loses_no_page(template: str, daemon: dict, ram_mode: str,
                                                       point: str) -> None:
     c = Client()
