@@ -42,11 +42,20 @@ class StoreDomainView:
         with self.lock:
             return self.table.find_dups(self.d, key)
 
-    def blob_page(self, blob_id: int) -> np.ndarray:
+    def blob_page(self, blob_id: int) -> np.ndarray | None:
+        """The content of a blob the plan found, or None if it was freed since (a sibling's
+        discard or free runs beside the encode: the candidate is gone, not the store damaged;
+        the commit re-checks what the plan keeps)."""
         page = self.cache.get(blob_id)
         if page is None:
             page = np.empty(PAGE_SIZE, dtype=np.uint8)
             with self.lock:
+                if not (0 <= blob_id < self.table.n and int(self.table.rows["refcount"][blob_id]) > 0):
+                    return None
+                base = int(self.table.rows["ref"][blob_id])
+                if (int(self.table.rows["reftype"][blob_id]) == _REFTYPE_BLOB
+                        and not (0 <= base < self.table.n and int(self.table.rows["refcount"][base]) > 0)):
+                    return None
                 recipe = read_recipe(self.table, self.arenas, blob_id)
             decode_recipe(self.zstd, recipe, page, self.template)
             if len(self.cache) >= ENCODER_BLOB_CACHE_PAGES:

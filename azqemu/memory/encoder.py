@@ -99,7 +99,7 @@ class DomainView(Protocol):
     """What the encoder needs to know about the sharing domain (implemented by the store)."""
 
     def find_dups(self, key: np.ndarray) -> np.ndarray: ...           # blob id or -1
-    def blob_page(self, blob_id: int) -> np.ndarray: ...              # verified content
+    def blob_page(self, blob_id: int) -> np.ndarray | None: ...       # verified content; None: freed since found
     def blob_decode_cost_us(self, blob_id: int) -> float: ...
     def blob_shared(self, blob_id: int) -> bool: ...                   # referenced more than once
     def blob_is_base(self, blob_id: int) -> bool: ...                  # may serve as SDELTA base
@@ -246,7 +246,8 @@ class Encoder:
                     # replaces and frees): re-encode it for the hot budget. A blob that other
                     # pages share is kept: its memory saving beats the decode time.
                     continue
-                if np.array_equal(domain.blob_page(int(bid[j])), pages[rest[i]]):
+                found = domain.blob_page(b)           # None: freed meanwhile (a sibling's discard)
+                if found is not None and np.array_equal(found, pages[rest[i]]):
                     kind[rest[i]] = int(Kind.DUP)
                     target[rest[i]] = T_BLOB
                     ref[rest[i]] = int(bid[j])
@@ -341,7 +342,10 @@ class Encoder:
                 b = int(cand_b[i])
                 if not domain.blob_is_base(b):
                     continue
-                sref[i] = domain.blob_page(b)
+                base_page = domain.blob_page(b)
+                if base_page is None:               # freed since the index named it
+                    continue
+                sref[i] = base_page
                 s_kind[i], s_ref[i] = 2, b
                 s_cost[i] = domain.blob_decode_cost_us(b)
         has_s = s_kind > 0
