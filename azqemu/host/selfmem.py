@@ -35,7 +35,6 @@ MMAP_THRESHOLD_BYTES = 256 << 10
 ARENA_MAX = 2
 
 
-
 class _Mallinfo2(ctypes.Structure):
     """struct mallinfo2 (glibc >= 2.33, malloc.h): ten size_t counters, summed over arenas."""
 
