@@ -96,3 +96,14 @@ def test_compression_cpu_per_wait() -> None:
     row = report.table_rows(res)[0]
     assert row[-1] == "0.500" and report.HEADERS[-1] == "compress CPU s/wait"
     assert json.loads(report.to_json(res))["policies"]["agentzip"]["compressions"] == 4
+
+
+def test_outputs_compare_without_the_run_time_tools_print() -> None:
+    from azqemu.bench.density import comparable_output
+    a = b"..\n----------------------------------------------------------------------\nRan 12 tests in 0.413s\n\nOK\n"
+    b = a.replace(b"0.413s", b"1.9s")
+    assert comparable_output(a) == comparable_output(b)
+    # Only that line: a changed result or count still differs.
+    assert comparable_output(a) != comparable_output(a.replace(b"OK", b"FAILED (failures=1)"))
+    assert comparable_output(a) != comparable_output(a.replace(b"Ran 12", b"Ran 11"))
+    assert comparable_output(b"took 0.4s\n") == b"took 0.4s\n"
