@@ -263,20 +263,26 @@ def test_compress_is_refused_while_a_command_runs(life: Lifecycle, rreg: Recordi
     life.compress("x-0")
 
 
-def test_destroy_cancels_a_compression_before_it_waits(life: Lifecycle, rreg: RecordingRegistry, host: Any,
-                                                       smem: SteppedMemory) -> None:
-    life.clone_batch("base", names=["d-0"])
-    smem.steps, smem.step_s = 10_000, 0.001          # ten seconds unless cancelled
+def _compress_in_thread(life: Lifecycle, name: str) -> tuple[threading.Thread, list[BaseException]]:
+    """``life.compress(name)`` in a thread of its own, started; what it raised lands in the list."""
     errors: list[BaseException] = []
 
     def compress() -> None:
         try:
-            life.compress("d-0")
-        except BaseException as exc:  # noqa: BLE001
+            life.compress(name)
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
             errors.append(exc)
 
     t = threading.Thread(target=compress)
     t.start()
+    return t, errors
+
+
+def test_destroy_cancels_a_compression_before_it_waits(life: Lifecycle, rreg: RecordingRegistry, host: Any,
+                                                       smem: SteppedMemory) -> None:
+    life.clone_batch("base", names=["d-0"])
+    smem.steps, smem.step_s = 10_000, 0.001          # ten seconds unless cancelled
+    t, errors = _compress_in_thread(life, "d-0")
     while rreg.state_of("d-0")[0] != "compressing":
         time.sleep(0.001)
     t0 = time.monotonic()
@@ -295,16 +301,7 @@ def test_destroy_stops_a_compression_that_starts_after_its_cancel(
     life.clone_batch("base", names=["d-1"])
     smem.steps, smem.step_s = 10_000, 0.001
     smem.before_start = threading.Event()
-    errors: list[BaseException] = []
-
-    def compress() -> None:
-        try:
-            life.compress("d-1")
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    t = threading.Thread(target=compress)
-    t.start()
+    t, errors = _compress_in_thread(life, "d-1")
     assert smem.started.wait(5)
     d = threading.Thread(target=life.destroy, args=("d-1",))
     t0 = time.monotonic()
@@ -330,16 +327,7 @@ def test_a_cancel_before_the_compression_starts_is_not_lost(
     life.clone_batch("base", names=[name])
     smem.steps, smem.step_s = 10_000, 0.001
     smem.before_start = threading.Event()
-    errors: list[BaseException] = []
-
-    def compress() -> None:
-        try:
-            life.compress(name)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    t = threading.Thread(target=compress)
-    t.start()
+    t, errors = _compress_in_thread(life, name)
     assert smem.started.wait(5)
     call = (lambda: life.resume(name)) if canceller == "resume" else (lambda: life.exec(name, ["true"]))
     c = threading.Thread(target=call)
