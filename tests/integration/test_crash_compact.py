@@ -22,7 +22,7 @@ from azqemu.daemon import proc as daemonproc
 from azqemu.errors import AzqemuError
 from tests.support.daemonctl import restart as _restart
 from tests.support.daemonctl import start as _start
-from tests.support.guest import needs_lazy_restore, sh
+from tests.support.guest import md5_ok, needs_lazy_restore, sh
 
 pytestmark = [pytest.mark.vm, pytest.mark.root, pytest.mark.uffd]
 
@@ -62,10 +62,6 @@ def _start_heap(name: str) -> int:
     assert code == 0
     return _wait_heap(name, 0, HEAP_PAGES)
 
-
-def _md5_ok(name: str) -> None:
-    code, out = sh(name, "md5sum -c /tmp/blob.md5")
-    assert code == 0, out
 
 
 def _killed(daemon: dict) -> None:
@@ -107,12 +103,12 @@ def test_manager_killed_while_the_store_compacts_loses_no_page(template: str, da
         assert info.failed_reason is None, info
         c.resume(name=name, prefetch=False)      # every lost page comes by a fault
         rounds = _wait_heap(name, rounds, HEAP_PAGES // 4)
-        _md5_ok(name)
+        md5_ok(name)
         st = c.compress(name=name)               # the next compression works
         assert st.stored_pages > 0 and not st.cancelled
         c.resume(name=name, prefetch=False)
         _wait_heap(name, rounds, HEAP_PAGES // 4)
-        _md5_ok(name)
+        md5_ok(name)
     finally:
         if not daemonproc.running():
             daemon["proc"] = _start()
@@ -147,16 +143,16 @@ def test_manager_killed_after_a_siblings_free_loses_no_page(template: str, daemo
         daemon["proc"] = _start()
         c.resume(name=a.name, prefetch=False)
         _wait_heap(a.name, rounds, HEAP_PAGES)
-        _md5_ok(a.name)
+        md5_ok(a.name)
         info = c.dominfo(b.name)
         if info.failed_reason is None:           # the free was not durable: b is whole
             c.resume(name=b.name, prefetch=False)
             _wait_heap(b.name, 0, HEAP_PAGES)
-            _md5_ok(b.name)
+            md5_ok(b.name)
         st = c.compress(name=a.name)
         assert st.stored_pages > 0 and not st.cancelled
         c.resume(name=a.name, prefetch=False)
-        _md5_ok(a.name)
+        md5_ok(a.name)
     finally:
         if not daemonproc.running():
             daemon["proc"] = _start()

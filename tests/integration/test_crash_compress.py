@@ -19,7 +19,7 @@ from azqemu.memory.persist import StoreFull
 from tests.support.daemonctl import restart as _restart
 from tests.support.daemonctl import start as _start
 from tests.support.daemonctl import start_dying
-from tests.support.guest import needs_lazy_restore, sh, start_checker, wait_rounds
+from tests.support.guest import md5_ok, needs_lazy_restore, sh, start_checker, wait_rounds
 
 pytestmark = [pytest.mark.vm, pytest.mark.root, pytest.mark.uffd]
 
@@ -47,10 +47,6 @@ def _fresh_pages_zero(name: str) -> None:
     assert (code, out) == (0, "0"), f"fresh guest pages not zero: {code} {out}"
 
 
-def _md5_ok(name: str) -> None:
-    code, out = sh(name, "md5sum -c /tmp/blob.md5")
-    assert code == 0, out
-
 
 @pytest.mark.parametrize(("ram_mode", "point"), [
     ("lazy", "after-discard-batch@2"), ("lazy", "after-flush"), ("lazy", "after-encode"),
@@ -67,7 +63,7 @@ def test_manager_killed_during_compress_loses_no_page(template: str, daemon: dic
         start_checker(name, 24, "c")
         rounds = wait_rounds(name, "c", 0)
         c.compress(name=name)            # a generation before the one that crashes
-        _md5_ok(name)                            # exec resumes it
+        md5_ok(name)                            # exec resumes it
         rounds = wait_rounds(name, "c", rounds)
 
         # Pages the guest wrote and freed again (init_on_free zeroes them): the compression
@@ -84,11 +80,11 @@ def test_manager_killed_during_compress_loses_no_page(template: str, daemon: dic
         daemon["proc"] = _start()
         c.resume(name=name, prefetch=False)      # every lost page comes by a fault
         _fresh_pages_zero(name)
-        _md5_ok(name)
+        md5_ok(name)
         rounds = wait_rounds(name, "c", rounds, timeout_s=180)
         st = c.compress(name=name)       # the next compression works
         assert st.stored_pages > 0 and not st.cancelled
-        _md5_ok(name)
+        md5_ok(name)
         wait_rounds(name, "c", rounds, timeout_s=180)
     finally:
         if not daemonproc.running():
@@ -111,7 +107,7 @@ def test_store_full_at_commit_abandons_the_compression(template: str, daemon: di
         start_checker(name, 24, "f")
         rounds = wait_rounds(name, "f", 0)
         c.compress(name=name)
-        _md5_ok(name)
+        md5_ok(name)
         rounds = wait_rounds(name, "f", rounds)
         _restart(daemon, fail_at="flush-before-drop")
         with pytest.raises(StoreFull) as err:
@@ -119,11 +115,11 @@ def test_store_full_at_commit_abandons_the_compression(template: str, daemon: di
         assert err.value.path, err.value
         c.resume(name=name, prefetch=False)
         _fresh_pages_zero(name)
-        _md5_ok(name)
+        md5_ok(name)
         rounds = wait_rounds(name, "f", rounds, timeout_s=180)
         st = c.compress(name=name)
         assert st.stored_pages > 0 and not st.cancelled
-        _md5_ok(name)
+        md5_ok(name)
         wait_rounds(name, "f", rounds, timeout_s=180)
     finally:
         if not daemonproc.running():
@@ -158,7 +154,7 @@ def test_manager_killed_during_resume_loses_no_page(template: str, daemon: dict,
         start_checker(name, 24, "r")
         rounds = wait_rounds(name, "r", 0)
         c.compress(name=name)
-        _md5_ok(name)                            # exec resumes it: the hot set is known
+        md5_ok(name)                            # exec resumes it: the hot set is known
         rounds = wait_rounds(name, "r", rounds)
         if point != "after-pause":
             c.compress(name=name)
@@ -182,16 +178,16 @@ def test_manager_killed_during_resume_loses_no_page(template: str, daemon: dict,
         assert (info.state, info.failed_reason) == (state_after, None), info
         if state_after == "compressed":
             assert info.domain_state == "paused"
-            _md5_ok(name)                        # exec resumes a compressed sandbox itself
+            md5_ok(name)                        # exec resumes a compressed sandbox itself
         else:
             c.resume(name=name, prefetch=False)
-            _md5_ok(name)
+            md5_ok(name)
         _fresh_pages_zero(name)
         rounds = wait_rounds(name, "r", rounds, timeout_s=180)
         st = c.compress(name=name)       # the next compression works
         assert st.stored_pages > 0 and not st.cancelled
         c.resume(name=name, prefetch=True)
-        _md5_ok(name)
+        md5_ok(name)
         wait_rounds(name, "r", rounds, timeout_s=180)
         assert c.dominfo(name).state == "running"
     finally:

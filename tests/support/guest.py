@@ -28,6 +28,12 @@ def sh(name: str, cmd: str, timeout_s: float = 120) -> tuple[int, str]:
     return r.exit_code, r.stdout.decode().strip()
 
 
+def md5_ok(name: str, path: str = "/tmp/blob.md5") -> None:
+    """The guest's own check of a file written before (``md5sum -c``): exact, or the test fails."""
+    code, out = sh(name, f"md5sum -c {path}")
+    assert code == 0, out
+
+
 def start_checker(name: str, size_mib: int, tag: str) -> None:
     Client().exec(name=name, argv=["/bin/sh", "-c", "cat > /tmp/checker.py"],
                   stdin=CHECKER.encode())
