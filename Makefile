@@ -46,11 +46,16 @@ $(PLACEMENT_VENV)/.stamp: .deps.stamp
 
 # The userfaultfd export library loaded into QEMU, and the page codec's C loops (optional:
 # azqemu.memory falls back to numpy/Python without them, at about half the speed).
-lib: qemu-patches/libazq_uffd.so azqemu/memory/_pagecodec.so
+lib: qemu-patches/libazq_uffd.so azqemu/memory/_pagecodec.so azqemu/memory/_storeview.so azqemu/restore/_faultloop.so
 qemu-patches/libazq_uffd.so: qemu-patches/azq_uffd.c .deps.stamp
 	gcc -O2 -Wall -Wextra -fPIC -shared -pthread -o $@ $<
 azqemu/memory/_pagecodec.so: azqemu/memory/_pagecodec.c .deps.stamp
 	gcc -O2 -Wall -Wextra -fPIC -shared -o $@ $< -l:libzstd.so.1
+# The native fault path: the store's C lookup and the fault thread (restore/native.py).
+azqemu/memory/_storeview.so: azqemu/memory/_storeview.c .deps.stamp
+	gcc -O2 -Wall -Wextra -fPIC -shared -pthread -o $@ $< -l:libzstd.so.1
+azqemu/restore/_faultloop.so: azqemu/restore/_faultloop.c .deps.stamp
+	gcc -O2 -Wall -Wextra -fPIC -shared -pthread -o $@ $<
 
 image: venv
 	$(AZQ) image build
@@ -79,4 +84,5 @@ perf: host lib
 	$(PY) -m pytest -s -q tests/perf $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) $(PLACEMENT_VENV) .deps.stamp qemu-patches/libazq_uffd.so azqemu/memory/_pagecodec.so
+	rm -rf $(VENV) $(PLACEMENT_VENV) .deps.stamp qemu-patches/libazq_uffd.so azqemu/memory/_pagecodec.so \
+		azqemu/memory/_storeview.so azqemu/restore/_faultloop.so

@@ -43,6 +43,7 @@ import ctypes
 import mmap
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -127,6 +128,13 @@ class ArenaSet:
         self._flush_release: list[tuple[int, np.ndarray, np.ndarray]] = []
         self._flush_drop: dict[int, Path] = {}
         self._written: set[int] = set()     # arenas appended to since the last flush
+        # Called (under the store's lock) when an arena is opened or closed: the native lookup
+        # reads the mappings (nativestore.py).
+        self.on_change: Callable[[ArenaSet], None] | None = None
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change(self)
 
     @staticmethod
     def file_name(arena_id: int) -> str:
@@ -163,6 +171,7 @@ class ArenaSet:
         arena = Arena(arena_id, path, self.arena_bytes, ARENA_HEADER_BYTES, 0, fd, mm)
         self.arenas[arena_id] = arena
         self.current = arena
+        self._changed()
         return arena
 
     def open_existing(self, arena_id: int, used: int, live: int) -> Arena:
@@ -195,9 +204,13 @@ class ArenaSet:
             raise
         arena = Arena(arena_id, path, capacity, used, live, fd, mm)
         self.arenas[arena_id] = arena
+        self._changed()
         return arena
 
     def close(self) -> None:
+        arenas, self.arenas = self.arenas, {}
+        self._changed()                 # before the mappings close
+        self.arenas = arenas
         for a in self.arenas.values():
             try:
                 a.mm.close()
@@ -403,13 +416,7 @@ class ArenaSet:
             a = self.arenas.get(aid)
             if a is None:
                 raise StoreCorrupt(str(self.root), f"blob location in missing arena {aid}")
-            if not a.addr:
-                # ctypes.addressof of a buffer export, released at once: the address stays
-                # valid while the mapping is open, and the store's lock keeps it open here.
-                obj = ctypes.c_char.from_buffer(a.mm)
-                a.addr = ctypes.addressof(obj)
-                del obj
-            base[aid], used[aid] = a.addr, a.used
+            base[aid], used[aid] = self.address_of(a), a.used
         ends = offsets + lengths
         bad = (offsets < ARENA_HEADER_BYTES) | (ends > used[arena_ids])
         if bad.any():
@@ -423,6 +430,17 @@ class ArenaSet:
         src = base[arena_ids] + offsets.astype(np.uint64)
         _NATIVE.azq_gather(len(src), out.ctypes.data, src.ctypes.data, lengths.ctypes.data)
         return out
+
+    @staticmethod
+    def address_of(a: Arena) -> int:
+        """Address of an arena's mapping (valid while it is open; the store's lock keeps it
+        open for those who read through it)."""
+        if not a.addr:
+            # ctypes.addressof of a buffer export, released at once.
+            obj = ctypes.c_char.from_buffer(a.mm)
+            a.addr = ctypes.addressof(obj)
+            del obj
+        return a.addr
 
     def release(self, arena_id: int, length: int, offset: int | None = None) -> None:
         self.release_many(np.array([arena_id]), np.array([-1 if offset is None else offset]),
@@ -489,6 +507,7 @@ class ArenaSet:
         """Close an arena nothing live is in any more; its file is unlinked now, or after the
         next commit if the last durable generation (or the one being written) names it."""
         a = self.arenas.pop(arena_id)
+        self._changed()                 # before the mapping closes
         if self.current is a:
             self.current = None
         self._written.discard(arena_id)

@@ -14,6 +14,7 @@ reused, so a stale index entry never points at a different page.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -53,6 +54,9 @@ class BlobTable:
         self.quarantine: list[int] = []    # freed, still possibly in a similarity index
         self.domains: dict[str, DomainState] = {}
         self.domain_by_id: dict[int, DomainState] = {}
+        # Called (under the store's lock) when ``rows`` or ``n`` changes: the native lookup
+        # reads them (nativestore.py).
+        self.on_change: Callable[[BlobTable], None] | None = None
 
     # -- domains ------------------------------------------------------------------------
     def domain(self, name: str, template_id: str, create: bool = True) -> DomainState:
@@ -83,6 +87,8 @@ class BlobTable:
                 self.rows = grown
             ids.extend(range(self.n, need))
             self.n = need
+            if self.on_change is not None:
+                self.on_change(self)
         return np.array(ids, dtype=np.int64)
 
     def live_mask(self) -> np.ndarray:

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from azqemu.errors import StoreCorrupt, StoreError
+from azqemu.memory import nativestore
 from azqemu.memory.accounting import (
     DomainBytes,
     OwnedBytes,
@@ -60,6 +61,7 @@ from azqemu.memory.kinds import (
     Kind,
     RefType,
 )
+from azqemu.memory.nativestore import NativeView
 from azqemu.memory.pagedecode import locate_page, locate_rows, write_page, write_rows
 from azqemu.memory.persist import STORE_FILE, ensure_reserve
 from azqemu.memory.sbxindex import SandboxIndex
@@ -118,7 +120,10 @@ class PageStore(StoreWriter):
                  zstd_backend: str | None = None) -> None:
         self.root = Path(root_dir)
         self.root.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.RLock()
+        # The state lock. With the native lookup built it is the C mutex the fault threads take
+        # too, and the arrays they read are published to them on every change (nativestore.py).
+        self._native = nativestore.tables_or_none()
+        self._lock: Any = self._native.lock if self._native is not None else threading.RLock()
         self._encode_lock = threading.Lock()
         self._flush_lock = threading.Lock()
         self._compact_lock = threading.Lock()
@@ -160,6 +165,11 @@ class PageStore(StoreWriter):
             sweep_uncommitted(self.root)
             self.uuid = os.urandom(16)
             self._arenas = ArenaSet(self.root, self.uuid, arena_bytes)
+        if self._native is not None:
+            self._table.on_change = self._native.publish_table
+            self._arenas.on_change = self._native.publish_arenas
+            self._native.publish_table(self._table)
+            self._native.publish_arenas(self._arenas)
 
     # ------------------------------------------------------------------ templates / names
     def add_template(self, template: TemplateImage) -> None:
@@ -348,6 +358,7 @@ class PageStore(StoreWriter):
         sb.index = SandboxIndex.from_pages(
             np.concatenate([old_p[keep], new_pages[stored]]), np.concatenate([old_k[keep], kind[stored]]),
             np.concatenate([old_f[keep], flags[stored]]), np.concatenate([old_r[keep], entry_ref[stored]]))
+        self._publish(sandbox)
         raw_now = new_pages[~stored]
         old_raw = sb.raw[~np.isin(sb.raw, new_pages)]
         sb.raw = np.union1d(old_raw, raw_now).astype(np.uint32)
@@ -413,6 +424,33 @@ class PageStore(StoreWriter):
                               & (rows["check"] == np.asarray(check, dtype=np.uint64)[named])
                               & (rows["refcount"] > 0))
             return out
+
+    # ------------------------------------------------------------------ native lookups
+    def native_view(self, sandbox: str) -> NativeView | None:
+        """The sandbox's pages as the native fault thread looks them up (None without the
+        library); kept current from now on. Give it back with ``release_native_view``."""
+        if self._native is None:
+            return None
+        with self._lock:
+            sb = self._sandboxes.get(sandbox)
+            template = None
+            if sb is not None:
+                try:
+                    template = self._template(sb.template_id)
+                except StoreError:
+                    template = None     # its pages are left to the Python path, which says why
+            return self._native.view(sandbox, sb.index if sb is not None else None, template)
+
+    def release_native_view(self, view: NativeView) -> None:
+        if self._native is not None:
+            self._native.release(view)
+
+    def _publish(self, sandbox: str) -> None:
+        """Under the lock, after the sandbox's index changed: tell its native view."""
+        if self._native is not None:
+            sb = self._sandboxes.get(sandbox)
+            template = self._templates.get(sb.template_id) if sb is not None else None
+            self._native.publish_sandbox(sandbox, sb.index if sb is not None else None, template)
 
     # ------------------------------------------------------------------ decode
     # Entries are looked up and their payloads copied out under the state lock; pages are
@@ -480,6 +518,7 @@ class PageStore(StoreWriter):
                 self._release_refs(k[gone], f[gone], r[gone])
                 keep = ~gone
                 sb.index = SandboxIndex.from_pages(p[keep], k[keep], f[keep], r[keep])
+                self._publish(sandbox)
             sb.raw = sb.raw[~np.isin(sb.raw, page_idx)]
             self._dirty.add(sandbox)
             self._changed = True
@@ -495,6 +534,7 @@ class PageStore(StoreWriter):
                 self._tombstones[sandbox] = sb.owner
             self._release_refs(sb.index.kind, sb.index.flags, sb.index.ref.astype(np.int64))
             del self._sandboxes[sandbox]
+            self._publish(sandbox)
             sb.domain.sandboxes.discard(sandbox)
             self._dirty.discard(sandbox)
             self._changed = True

@@ -290,6 +290,11 @@ class TemplateImage:
         return len(self.page_idx) * PAGE_SIZE
 
     @property
+    def checks(self) -> np.ndarray:
+        """u8 checksum of each data page, by slot (``slot_of``): the native lookup reads it."""
+        return self._checks
+
+    @property
     def closed(self) -> bool:
         return self._mapping is None
 

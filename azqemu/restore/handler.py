@@ -21,6 +21,12 @@ Rules (DESIGN.md, "Restore"):
 
 The fast path allocates no buffers per fault: the message buffer, the page buffer and
 the ioctl argument are preallocated, and stats go into preallocated arrays.
+
+Where the native library is built (``make lib``), the uffd is read by a C thread instead
+(restore/native.py): it answers pages mapped from the template, zero pages and the page
+store's pages itself, without the GIL, and forwards every other fault and every REMOVE
+event to this module's thread, which serves them as above. ``native=False`` (or
+``AZQ_NATIVE_FAULTS=0``) keeps everything here.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from azqemu.host.threads import FAULT_HANDLER_NICE, set_thread_nice
+from azqemu.restore import native as cfaults
 from azqemu.restore import uffd_abi as abi
 from azqemu.restore.errors import UffdIoctlError
 from azqemu.restore.export import RamMapping, UffdHandle
@@ -70,13 +77,14 @@ class HandlerStats:
     service_us_median: float
     service_us_p99: float
     service_samples: int
+    native_served: int = 0   # of the answered faults, those the C thread answered alone
 
 
 class _Block:
     """Per-block state of the fast path (plain attributes: one lookup each)."""
 
-    __slots__ = ("block", "lo", "hi", "delta", "shift", "fill", "hot", "discarded", "out", "mapped", "base",
-                 "zero_kind")
+    __slots__ = ("block", "lo", "hi", "delta", "shift", "source", "fill", "n_sources", "hot", "discarded", "out",
+                 "mapped", "base", "zero_kind")
 
     def __init__(self, block: RamMapping, source: PageSource, page_mv: memoryview) -> None:
         self.block = block
@@ -84,7 +92,9 @@ class _Block:
         self.hi = block.hva + block.size_bytes
         self.delta = block.offset - block.hva  # hva + delta = file offset
         self.shift = block.page_size.bit_length() - 1
+        self.source = source
         self.fill = source.fill
+        self.n_sources = -1              # sources the native thread was told about
         self.hot = bytearray(block.page_count)
         self.discarded = bytearray(block.page_count)
         self.out = page_mv[:block.page_size]  # the page buffer, this block's page size
@@ -115,7 +125,7 @@ class FaultHandler:
     def __init__(self, handle: UffdHandle, sources: PageSource | Sequence[PageSource], *,
                  on_error: Callable[[BaseException, int], None] | None = None,
                  on_remove: Callable[[int, int, int], None] | None = None,
-                 ring_size: int = RING_SIZE, name: str = "azq-fault-handler") -> None:
+                 ring_size: int = RING_SIZE, name: str = "azq-fault-handler", native: bool | None = None) -> None:
         if not isinstance(sources, Sequence):
             sources = [sources] * len(handle.blocks)
         if len(sources) != len(handle.blocks):
@@ -166,6 +176,34 @@ class FaultHandler:
         self._removes = 0
         self._other = 0
         self._samples = 0
+        # The C thread, where the library is built (native None: wherever it is).
+        self._native: cfaults.NativeLoop | None = None
+        self._views = cfaults.StoreViews()           # the stores' native views handed to it
+        if native is not False and cfaults.available() and len(self._blocks) <= cfaults.MAX_BLOCKS:
+            self._native = cfaults.NativeLoop(self._uffd, len(self._blocks), self._ring)
+            for i, b in enumerate(self._blocks):
+                self._native_block(i, b)
+        elif native:
+            raise RuntimeError("the native fault thread is not available (make lib)")
+
+    @property
+    def native(self) -> bool:
+        """True when a C thread reads the uffd (this thread serves what it forwards)."""
+        return self._native is not None
+
+    # -- the native thread's view of the sources ------------------------------------------
+    def _native_block(self, i: int, b: _Block) -> None:
+        """Tell the C thread how each source of block ``i`` is answered."""
+        assert self._native is not None
+        b.n_sources = self._native.describe(i, b.block, b.source, lo=b.lo, hi=b.hi, delta=b.delta, shift=b.shift,
+                                            mapped=b.mapped is not None, hot=b.hot, views=self._views)
+
+    def _native_refresh(self, b: _Block) -> None:
+        """A forwarded fault: if the block's composite source gained sources since the C
+        thread was told, tell it again (the next faults on them stay in C)."""
+        src = b.source
+        if isinstance(src, CompositeSource) and len(src.sources) != b.n_sources:
+            self._native_block(self._blocks.index(b), b)
 
     # -- control -------------------------------------------------------------------------
     def start(self, *, wake: bool = True) -> None:
@@ -177,6 +215,8 @@ class FaultHandler:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
         self._thread.start()
+        if self._native is not None:
+            self._native.start(FAULT_HANDLER_NICE)
         if wake:
             self.handle.wake_all()
 
@@ -184,6 +224,8 @@ class FaultHandler:
         """Stop the thread. Faults still queued stay queued for the next handler."""
         if self._thread is None:
             return
+        if self._native is not None:
+            self._native.stop()         # first: it forwards the retries it held
         self._stopping = True
         os.eventfd_write(self._stop_fd, 1)
         self._thread.join(timeout_s)
@@ -195,6 +237,9 @@ class FaultHandler:
         self.stop()
         if self._stop_fd < 0:
             return
+        if self._native is not None:
+            self._native.close()
+        self._views.release_all()
         os.close(self._stop_fd)
         self._stop_fd = -1
         for b in self._blocks:
@@ -215,11 +260,16 @@ class FaultHandler:
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return (self._thread is not None and self._thread.is_alive()
+                and (self._native is None or self._native.alive))
 
     def set_source(self, block_index: int, source: PageSource) -> None:
         """Serve block ``block_index`` from ``source`` from the next fault on."""
-        self._blocks[block_index].fill = source.fill
+        b = self._blocks[block_index]
+        b.source = source
+        b.fill = source.fill
+        if self._native is not None:
+            self._native_block(block_index, b)
 
     def retry_failed(self) -> int:
         """Ask the handler thread to try the faults left waiting after errors again
@@ -240,8 +290,10 @@ class FaultHandler:
         return np.flatnonzero(np.frombuffer(snapshot, dtype=np.uint8))
 
     def reset_hot(self) -> None:
-        for b in self._blocks:
+        for i, b in enumerate(self._blocks):
             b.hot = bytearray(len(b.hot))  # swap, not clear: the loop may be writing
+            if self._native is not None:
+                self._native.set_hot(i, b.hot)
 
     def discarded_pages(self, block_index: int = 0) -> np.ndarray:
         """Pages QEMU discarded (UFFD_EVENT_REMOVE) since the last reset."""
@@ -256,25 +308,44 @@ class FaultHandler:
         (a byte per page each), the service-time ring (allocated size) and the page and
         message buffers."""
         per_page = sum(len(b.hot) + len(b.discarded) for b in self._blocks)
-        return int(per_page + self._ring.nbytes + len(self._page_map) + len(self._msg_buf))
+        c_part = self._native.state_bytes if self._native is not None else 0
+        return int(per_page + self._ring.nbytes + len(self._page_map) + len(self._msg_buf) + c_part)
 
     def service_times_ns(self) -> np.ndarray:
         """Service times (fault message read to UFFDIO_COPY done) of the newest faults."""
-        return self._ring[:min(self._samples, len(self._ring))].copy()
+        return self._ring[:min(self.samples_recorded, len(self._ring))].copy()
 
     def reset_service_times(self) -> None:
         self._samples = 0
+        if self._native is not None:
+            self._native.reset_samples()
 
     @property
     def samples_recorded(self) -> int:
         """Service times recorded since the last reset; the newest is at (count - 1) & (ring size - 1)."""
-        return self._samples
+        return self._native.samples if self._native is not None else self._samples
+
+    def _record(self, t0: int) -> None:
+        """One service time, from the fault message read (``t0``) to the page placed."""
+        dt = time.perf_counter_ns() - t0
+        if self._native is not None:
+            self._native.record(dt)     # one ring, one counter: shared with the C thread
+            return
+        self._ring_mv[self._samples & self._ring_mask] = dt
+        self._samples += 1
 
     def stats(self) -> HandlerStats:
         t = self.service_times_ns()
         med, p99 = (float(np.median(t)) / 1e3, float(np.percentile(t, 99)) / 1e3) if len(t) else (0.0, 0.0)
-        return HandlerStats(self._faults, self._served, self._eexist, self._retries, self._errors,
-                            self._stale, self._removes, self._other, med, p99, len(t))
+        c = self._native.counters() if self._native is not None else dict.fromkeys(cfaults.COUNTERS, 0)
+        return HandlerStats(self._faults + c["faults"], self._served + c["served"],
+                            self._eexist + c["already_present"], self._retries + c["retries"], self._errors,
+                            self._stale + c["stale"], self._removes, self._other + c["other_events"], med, p99,
+                            len(t), c["native"])
+
+    def native_counters(self) -> dict[str, int]:
+        """The C thread's own counters (empty without it): faults it read, answered, forwarded."""
+        return self._native.counters() if self._native is not None else {}
 
     # -- the loop ------------------------------------------------------------------------
     def _run(self) -> None:
@@ -289,6 +360,9 @@ class FaultHandler:
             raise
 
     def _loop(self) -> None:
+        if self._native is not None:
+            self._loop_forwarded(self._native)
+            return
         uffd = self._uffd
         poller = select.poll()
         poller.register(uffd, select.POLLIN)
@@ -339,7 +413,43 @@ class FaultHandler:
                 for hva in pending:
                     serve(hva, blocks, t0)
 
-    def _serve(self, address: int, blocks: tuple[_Block, ...], t0: int) -> None:
+    def _loop_forwarded(self, nl: cfaults.NativeLoop) -> None:
+        """The Python side of a native handler: what the C thread forwards (faults it does
+        not answer itself, REMOVE events), served as ``_loop`` serves what it reads."""
+        poller = select.poll()
+        poller.register(nl.fwd_fd, select.POLLIN)
+        poller.register(self._stop_fd, select.POLLIN)
+        clock = time.perf_counter_ns
+        serve = self._serve
+        stop_fd, fwd_fd = self._stop_fd, nl.fwd_fd
+        while not self._stopping:
+            ready = poller.poll(RETRY_INTERVAL_MS if self._pending else -1)
+            if self._stopping:
+                break
+            for fd, _ in ready:
+                if fd in (stop_fd, fwd_fd):
+                    try:
+                        os.eventfd_read(fd)
+                    except BlockingIOError:
+                        pass
+            if self._retry_requested:
+                self._retry_requested = False
+                self._pending.extend(self._failed)
+                self._failed = []
+            t0 = clock()
+            blocks = self._blocks
+            for kind, a, b in nl.pop():
+                if kind == cfaults.EV_FAULT:
+                    serve(a, blocks, t0, forwarded=True)
+                elif kind == cfaults.EV_REMOVE:
+                    self._on_remove_event(a, b)
+            if self._pending:
+                pending, self._pending = self._pending, []
+                t0 = clock()
+                for hva in pending:
+                    serve(hva, blocks, t0)
+
+    def _serve(self, address: int, blocks: tuple[_Block, ...], t0: int, forwarded: bool = False) -> None:
         for b in blocks:
             if b.lo <= address < b.hi:
                 break
@@ -347,14 +457,15 @@ class FaultHandler:
             # Only block ranges are ever registered: a fault elsewhere is a bug upstream.
             self._fail(UffdIoctlError("fault outside every RAM block", errno.EFAULT, address, 0), address)
             return
+        if forwarded:
+            self._native_refresh(b)
         shift = b.shift
         page = address >> shift << shift
         page_size = 1 << shift
         if b.mapped is not None and (k := b.mapped[(page + b.delta - b.base) >> shift]) in (0, b.zero_kind):
             if self._map_from_file(page, page_size, zero=k != 0):
                 b.hot[(page - b.lo) >> shift] = 1
-                self._ring_mv[self._samples & self._ring_mask] = time.perf_counter_ns() - t0
-                self._samples += 1
+                self._record(t0)
             return
         try:
             ok = b.fill(page + b.delta, b.out)
@@ -378,8 +489,7 @@ class FaultHandler:
         else:
             self._served += 1
         b.hot[(page - b.lo) >> shift] = 1
-        self._ring_mv[self._samples & self._ring_mask] = time.perf_counter_ns() - t0
-        self._samples += 1
+        self._record(t0)
 
     def _map_from_file(self, page: int, page_size: int, zero: bool = False) -> bool:
         """Answer a fault on a page the template holds: UFFDIO_CONTINUE maps its

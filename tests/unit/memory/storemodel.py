@@ -155,6 +155,39 @@ def reader(store: PageStore, model: Model, names: list[str], seed: int, stop: th
         errors.append(err)
 
 
+def native_reader(store: PageStore, model: Model, names: list[str], seed: int, stop: threading.Event,
+                  errors: list[BaseException], counts: dict[str, int]) -> None:
+    """Decode random pages through the C lookup the native fault thread uses (a NativeView of
+    each sandbox, kept current by the store) and check each is a version its page had; a page
+    it cannot produce must be one the Python path cannot produce either (not stored now)."""
+    from azqemu.memory.nativestore import DEC_NOT_STORED, DEC_OK
+
+    rng = random.Random(seed)
+    buf = np.empty(PAGE_SIZE, np.uint8)
+    views = {name: store.native_view(name) for name in names}
+    try:
+        while not stop.is_set():
+            name = rng.choice(names)
+            view = views[name]
+            assert view is not None
+            s = number(name)
+            for p in [rng.randrange(N_PAGES) for _ in range(8)]:
+                rc = view.decode_into(p, buf)
+                if rc == DEC_OK:
+                    check(model, name, s, p, buf)
+                    counts["native_pages"] = counts.get("native_pages", 0) + 1
+                elif rc == DEC_NOT_STORED:
+                    counts["native_not_stored"] = counts.get("native_not_stored", 0) + 1
+                else:
+                    raise AssertionError(f"native lookup of {name} page {p} failed with code {rc}")
+    except BaseException as err:  # noqa: BLE001 - reported to the test
+        errors.append(err)
+    finally:
+        for view in views.values():
+            if view is not None:
+                store.release_native_view(view)
+
+
 def check(model: Model, name: str, s: int, p: int, page: np.ndarray) -> None:
     with model.lock:
         versions = sorted(model.history.get((name, p), set()))

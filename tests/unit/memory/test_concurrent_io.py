@@ -16,6 +16,7 @@ import time
 import pytest
 
 from azqemu.memory import arena as arena_mod
+from azqemu.memory import nativestore
 from azqemu.memory.store import PageStore
 
 from . import storemodel as sm
@@ -63,7 +64,9 @@ def test_concurrent_encode_free_flush_compact_and_decode(store_dir, monkeypatch,
                                                      flush_every=7) for k in range(3)]
             + [lambda: _flusher(store, stop, errors, counts),
                lambda: _compactor(store, stop, errors, counts, seed)]
-            + [lambda k=k: sm.reader(store, model, names, seed * 100 + k, stop, errors, counts) for k in range(2)])
+            + [lambda k=k: sm.reader(store, model, names, seed * 100 + k, stop, errors, counts) for k in range(2)]
+            + ([lambda: sm.native_reader(store, model, names, seed * 1000, stop, errors, counts)]
+               if nativestore.available() else []))
         time.sleep(3.0)
         stop.set()
         for t in threads:
@@ -74,4 +77,6 @@ def test_concurrent_encode_free_flush_compact_and_decode(store_dir, monkeypatch,
         store.check_consistency()
         expect = model.copy()
     assert counts.get("pages", 0) > 100 and counts.get("flushes", 0) > 5, counts
+    if nativestore.available():
+        assert counts.get("native_pages", 0) > 100, counts
     assert sm.verify_reopened(root, expect) > 0

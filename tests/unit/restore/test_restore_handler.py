@@ -20,6 +20,7 @@ import time
 import numpy as np
 import pytest
 
+from azqemu.restore import native as cfaults
 from azqemu.restore import uffd
 from azqemu.restore import uffd_abi as abi
 from azqemu.restore.errors import PageUnavailable, UffdIoctlError
@@ -121,6 +122,18 @@ class Ram:
         del self._pin
         self.map.close()
         os.close(self.memfd)
+
+
+@pytest.fixture(autouse=True, params=["python", "native"])
+def fault_path(request, monkeypatch) -> str:
+    """Every test twice: faults read by the Python thread, and by the C thread (restore/native.py)
+    with this module's thread serving what it forwards."""
+    if request.param == "native":
+        if not cfaults.available():
+            pytest.skip("_faultloop.so not built (make lib)")
+    else:
+        monkeypatch.setattr(cfaults, "LIB", None)
+    return str(request.param)
 
 
 @pytest.fixture

@@ -1,0 +1,402 @@
+/*
+ * _faultloop: the fault server's native thread (loaded with ctypes by restore/native.py).
+ *
+ * One pthread per handler reads the uffd and answers, without the GIL, the faults it can
+ * answer alone:
+ *   - pages a copy-on-write clone maps from the template's page cache (UFFDIO_CONTINUE, or
+ *     UFFDIO_ZEROPAGE over a hole of the template file), and pages known to be zero;
+ *   - pages the page store holds, decoded and verified by the store's C lookup (a function
+ *     and an opaque view the store hands over: memory/_storeview.c), placed with UFFDIO_COPY.
+ * Everything else (another kind of source, an entry that does not decode or verify, an ioctl
+ * error other than EEXIST/EAGAIN/ENOENT/ESRCH) and every UFFD_EVENT_REMOVE is forwarded to the
+ * Python thread of the same handler through a queue and an eventfd, which serves or reports
+ * it with the Python path (handler.py): a guest never gets a page this file could not verify,
+ * and errors keep their one code path. The per-page source kinds are the CompositeSource's
+ * bytearray, read without a lock as the Python handler reads it.
+ *
+ * Build (Makefile): gcc -O2 -Wall -Wextra -fPIC -shared -pthread -o azqemu/restore/_faultloop.so \
+ *                       azqemu/restore/_faultloop.c
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <linux/userfaultfd.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/ioctl.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#define PAGE 4096
+#define PAGE_SHIFT 12
+#define MAX_BLOCKS 8
+#define BATCH_MSGS 64
+#define QUEUE_SLOTS 1024          /* forwarded events; a power of two */
+#define PENDING_MAX 256
+#define RETRY_MS 1
+
+int azq_faultloop_abi(void) { return 1; }
+
+/* The store's lookup (memory/_storeview.c azq_view_decode_inplace): 0 when out holds the
+ * verified page. */
+typedef int (*decode_fn)(void *view, uint64_t page_idx, uint8_t *out);
+static const uint8_t zero_page[PAGE] __attribute__((aligned(PAGE)));
+
+/* ---------------------------------------------------------------- the fault thread */
+enum { A_FORWARD = 0, A_CONTINUE = 1, A_ZEROPAGE = 2, A_STORE = 3, A_ZERO_COPY = 4 };
+enum { EV_FAULT = 1, EV_REMOVE = 2 };
+enum { C_FAULTS, C_SERVED, C_EEXIST, C_RETRIES, C_STALE, C_OTHER, C_FORWARDED, C_NATIVE, C_N };
+
+typedef struct {
+    uint64_t lo, hi;
+    int64_t delta;                 /* hva + delta = file offset */
+    int shift;
+    const uint8_t *kinds;          /* CompositeSource.kinds or NULL */
+    uint64_t kinds_n;
+    int64_t base;                  /* file offset of kinds[0] */
+    uint8_t action[256];           /* per source index */
+    uint8_t block_action;          /* without kinds */
+    void *view;                    /* the store view of A_STORE pages */
+    decode_fn decode;
+    uint8_t *volatile hot;         /* a byte per page, swapped by Python */
+} fp_block;
+
+typedef struct azq_fp {
+    int uffd, stop_fd, fwd_fd;
+    int nblocks;
+    fp_block blocks[MAX_BLOCKS];
+    pthread_t thread;
+    int started;
+    volatile int stopping, alive, nice;
+    uint64_t queue[QUEUE_SLOTS][3];
+    volatile uint64_t q_head, q_tail;        /* producer: the thread; consumer: Python */
+    uint64_t counters[C_N];
+    int64_t *ring;
+    uint64_t ring_mask;
+    volatile uint64_t samples;
+    uint64_t pending[PENDING_MAX];
+    int npending;
+    uint8_t page[PAGE] __attribute__((aligned(PAGE)));
+} azq_fp;
+
+static int64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+azq_fp *azq_fp_new(int uffd, int nblocks, int64_t *ring, uint64_t ring_size)
+{
+    if (nblocks < 1 || nblocks > MAX_BLOCKS || !ring || !ring_size || (ring_size & (ring_size - 1)))
+        return NULL;
+    azq_fp *fp = aligned_alloc(PAGE, (sizeof(azq_fp) + PAGE - 1) & ~(size_t)(PAGE - 1));
+    if (!fp)
+        return NULL;
+    memset(fp, 0, sizeof(*fp));
+    fp->uffd = uffd;
+    fp->nblocks = nblocks;
+    fp->ring = ring;
+    fp->ring_mask = ring_size - 1;
+    fp->stop_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    fp->fwd_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (fp->stop_fd < 0 || fp->fwd_fd < 0) {
+        if (fp->stop_fd >= 0) close(fp->stop_fd);
+        if (fp->fwd_fd >= 0) close(fp->fwd_fd);
+        free(fp);
+        return NULL;
+    }
+    return fp;
+}
+
+int azq_fp_set_block(azq_fp *fp, int i, uint64_t lo, uint64_t hi, int64_t delta, int shift, const uint8_t *kinds,
+                     uint64_t kinds_n, int64_t base, int block_action, void *decode, void *view,
+                     uint8_t *hot)
+{
+    if (i < 0 || i >= fp->nblocks)
+        return -1;
+    fp_block *b = &fp->blocks[i];
+    b->lo = lo; b->hi = hi; b->delta = delta; b->shift = shift;
+    b->kinds = kinds; b->kinds_n = kinds_n; b->base = base;
+    b->block_action = (uint8_t)block_action;
+    b->view = view;
+    b->decode = (decode_fn)decode;
+    __atomic_store_n(&b->hot, hot, __ATOMIC_RELEASE);
+    return 0;
+}
+
+/* Actions change while the thread runs (a source registered later): byte stores. */
+void azq_fp_set_action(azq_fp *fp, int i, int kind, int action)
+{
+    if (i >= 0 && i < fp->nblocks && kind >= 0 && kind < 256)
+        __atomic_store_n(&fp->blocks[i].action[kind], (uint8_t)action, __ATOMIC_RELEASE);
+}
+
+void azq_fp_set_hot(azq_fp *fp, int i, uint8_t *hot)
+{
+    if (i >= 0 && i < fp->nblocks)
+        __atomic_store_n(&fp->blocks[i].hot, hot, __ATOMIC_RELEASE);
+}
+
+void azq_fp_record(azq_fp *fp, int64_t ns)
+{
+    uint64_t k = __atomic_fetch_add(&fp->samples, 1, __ATOMIC_RELAXED);
+    fp->ring[k & fp->ring_mask] = ns;
+}
+
+uint64_t azq_fp_samples(azq_fp *fp) { return __atomic_load_n(&fp->samples, __ATOMIC_RELAXED); }
+void azq_fp_reset_samples(azq_fp *fp) { __atomic_store_n(&fp->samples, 0, __ATOMIC_RELAXED); }
+
+void azq_fp_counters(azq_fp *fp, uint64_t *out)
+{
+    for (int i = 0; i < C_N; i++)
+        out[i] = __atomic_load_n(&fp->counters[i], __ATOMIC_RELAXED);
+}
+
+static void count(azq_fp *fp, int c) { __atomic_fetch_add(&fp->counters[c], 1, __ATOMIC_RELAXED); }
+
+static void count(azq_fp *fp, int c);
+
+static void forward(azq_fp *fp, uint64_t type, uint64_t a, uint64_t b)
+{
+    if (type == EV_FAULT)
+        count(fp, C_FORWARDED);
+    /* A full queue (Python far behind): wait for room; faults are never dropped. */
+    while (fp->q_tail - __atomic_load_n(&fp->q_head, __ATOMIC_ACQUIRE) >= QUEUE_SLOTS && !fp->stopping) {
+        struct timespec ts = {0, 100000};
+        nanosleep(&ts, NULL);
+    }
+    uint64_t *slot = fp->queue[fp->q_tail & (QUEUE_SLOTS - 1)];
+    slot[0] = type; slot[1] = a; slot[2] = b;
+    __atomic_store_n(&fp->q_tail, fp->q_tail + 1, __ATOMIC_RELEASE);
+    uint64_t one = 1;
+    ssize_t unused = write(fp->fwd_fd, &one, sizeof(one));
+    (void)unused;
+}
+
+/* Python: up to max events (3 u64 each); returns how many. */
+int azq_fp_pop(azq_fp *fp, uint64_t *out, int max)
+{
+    uint64_t head = fp->q_head, tail = __atomic_load_n(&fp->q_tail, __ATOMIC_ACQUIRE);
+    int n = 0;
+    while (head != tail && n < max) {
+        memcpy(out + 3 * n, fp->queue[head & (QUEUE_SLOTS - 1)], 3 * sizeof(uint64_t));
+        head++;
+        n++;
+    }
+    __atomic_store_n(&fp->q_head, head, __ATOMIC_RELEASE);
+    return n;
+}
+
+int azq_fp_fwd_fd(azq_fp *fp) { return fp->fwd_fd; }
+int azq_fp_alive(azq_fp *fp) { return fp->alive; }
+
+/* Result of a placing ioctl: 1 answered, 0 not (queued for retry, stale, or forwarded). */
+static int placed(azq_fp *fp, int rc, uint64_t page, uint64_t size)
+{
+    if (rc == 0) {
+        count(fp, C_SERVED);
+        return 1;
+    }
+    int err = errno;
+    if (err == EEXIST) {
+        struct uffdio_range r = {page, size};
+        if (ioctl(fp->uffd, UFFDIO_WAKE, &r) != 0) {
+            forward(fp, EV_FAULT, page, 0);
+            return 0;
+        }
+        count(fp, C_EEXIST);
+        return 1;
+    }
+    if (err == EAGAIN) {                 /* a REMOVE waits to be read: retry after it */
+        count(fp, C_RETRIES);
+        if (fp->npending < PENDING_MAX)
+            fp->pending[fp->npending++] = page;
+        else
+            forward(fp, EV_FAULT, page, 0);
+        return 0;
+    }
+    if (err == ENOENT) {
+        count(fp, C_STALE);
+        return 0;
+    }
+    if (err == ESRCH) {
+        fp->stopping = 1;
+        return 0;
+    }
+    forward(fp, EV_FAULT, page, 0);       /* the Python path reports it */
+    return 0;
+}
+
+static int zeropage(azq_fp *fp, uint64_t page, uint64_t size)
+{
+    struct uffdio_zeropage z = {{page, size}, 0, 0};
+    return placed(fp, ioctl(fp->uffd, UFFDIO_ZEROPAGE, &z), page, size);
+}
+
+static int copy_page(azq_fp *fp, uint64_t page, uint64_t size, const uint8_t *src)
+{
+    struct uffdio_copy c = {page, (uint64_t)(uintptr_t)src, size, 0, 0};
+    return placed(fp, ioctl(fp->uffd, UFFDIO_COPY, &c), page, size);
+}
+
+static void serve(azq_fp *fp, uint64_t address, int64_t t0)
+{
+    fp_block *b = NULL;
+    for (int i = 0; i < fp->nblocks; i++)
+        if (fp->blocks[i].lo <= address && address < fp->blocks[i].hi) {
+            b = &fp->blocks[i];
+            break;
+        }
+    if (!b) {
+        forward(fp, EV_FAULT, address, 0);
+        return;
+    }
+    uint64_t size = 1ull << b->shift;
+    uint64_t page = address & ~(size - 1);
+    int64_t off = (int64_t)page + b->delta;
+    uint8_t act = b->block_action;
+    if (b->kinds) {
+        int64_t k = (off - b->base) >> b->shift;
+        if (k < 0 || (uint64_t)k >= b->kinds_n) {
+            forward(fp, EV_FAULT, page, 0);
+            return;
+        }
+        act = __atomic_load_n(&b->action[b->kinds[k]], __ATOMIC_ACQUIRE);
+    }
+    int ok = 0;
+    switch (act) {
+    case A_CONTINUE: {
+        struct uffdio_continue c = {{page, size}, 0, 0};
+        if (ioctl(fp->uffd, UFFDIO_CONTINUE, &c) == 0) {
+            count(fp, C_SERVED);
+            ok = 1;
+        } else if (errno == EFAULT) {   /* a hole of the template file: the zero page */
+            ok = zeropage(fp, page, size);
+        } else {
+            ok = placed(fp, -1, page, size);
+        }
+        break;
+    }
+    case A_ZEROPAGE:
+        ok = zeropage(fp, page, size);
+        break;
+    case A_ZERO_COPY:
+        if (size != PAGE) {
+            forward(fp, EV_FAULT, page, 0);
+            return;
+        }
+        ok = copy_page(fp, page, size, zero_page);
+        break;
+    case A_STORE:
+        if (size != PAGE || !b->decode || off < 0 || b->decode(b->view, (uint64_t)off >> PAGE_SHIFT, fp->page) != 0) {
+            forward(fp, EV_FAULT, page, 0);   /* the Python path serves it or says why not */
+            return;
+        }
+        ok = copy_page(fp, page, size, fp->page);
+        break;
+    default:
+        forward(fp, EV_FAULT, page, 0);
+        return;
+    }
+    if (!ok)
+        return;
+    count(fp, C_NATIVE);
+    uint8_t *hot = __atomic_load_n(&b->hot, __ATOMIC_ACQUIRE);
+    if (hot)
+        hot[(page - b->lo) >> b->shift] = 1;
+    azq_fp_record(fp, now_ns() - t0);
+}
+
+static void *fp_main(void *arg)
+{
+    azq_fp *fp = arg;
+    /* A vCPU waits while its fault is served: win the CPU from the guests (handler.py). */
+    setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), fp->nice);
+    struct uffd_msg msgs[BATCH_MSGS];
+    struct pollfd pfd[2] = {{fp->uffd, POLLIN, 0}, {fp->stop_fd, POLLIN, 0}};
+    while (!fp->stopping) {
+        int r = poll(pfd, 2, fp->npending ? RETRY_MS : -1);
+        if (fp->stopping)
+            break;
+        if (r < 0 && errno != EINTR)
+            break;
+        ssize_t n = read(fp->uffd, msgs, sizeof(msgs));
+        if (n < 0) {
+            if (errno != EAGAIN && errno != EINTR)
+                break;
+            n = 0;
+        }
+        int64_t t0 = now_ns();
+        for (size_t i = 0; i < (size_t)n / sizeof(struct uffd_msg); i++) {
+            if (msgs[i].event == UFFD_EVENT_PAGEFAULT) {
+                count(fp, C_FAULTS);
+                serve(fp, msgs[i].arg.pagefault.address, t0);
+            } else if (msgs[i].event == UFFD_EVENT_REMOVE) {
+                forward(fp, EV_REMOVE, msgs[i].arg.remove.start, msgs[i].arg.remove.end);
+            } else {
+                count(fp, C_OTHER);
+            }
+        }
+        /* Retry after the batch: a REMOVE read above released the EAGAIN'd copies. */
+        if (fp->npending) {
+            uint64_t again[PENDING_MAX];
+            int k = fp->npending;
+            memcpy(again, fp->pending, k * sizeof(uint64_t));
+            fp->npending = 0;
+            t0 = now_ns();
+            for (int i = 0; i < k; i++)
+                serve(fp, again[i], t0);
+        }
+    }
+    /* Faults still waiting for a retry go to Python, which keeps serving after us. */
+    for (int i = 0; i < fp->npending; i++)
+        forward(fp, EV_FAULT, fp->pending[i], 0);
+    fp->npending = 0;
+    fp->alive = 0;
+    return NULL;
+}
+
+int azq_fp_start(azq_fp *fp, int nice)
+{
+    if (fp->started)
+        return -1;
+    fp->stopping = 0;
+    fp->nice = nice;
+    fp->alive = 1;
+    if (pthread_create(&fp->thread, NULL, fp_main, fp) != 0) {
+        fp->alive = 0;
+        return -1;
+    }
+    fp->started = 1;
+    return 0;
+}
+
+void azq_fp_stop(azq_fp *fp)
+{
+    if (!fp->started)
+        return;
+    fp->stopping = 1;
+    uint64_t one = 1;
+    ssize_t unused = write(fp->stop_fd, &one, sizeof(one));
+    (void)unused;
+    pthread_join(fp->thread, NULL);
+    fp->started = 0;
+    uint64_t drain;
+    unused = read(fp->stop_fd, &drain, sizeof(drain));
+}
+
+void azq_fp_free(azq_fp *fp)
+{
+    if (!fp)
+        return;
+    azq_fp_stop(fp);
+    close(fp->stop_fd);
+    close(fp->fwd_fd);
+    free(fp);
+}

@@ -1,0 +1,251 @@
+"""The native fault thread (restore/_faultloop.c): loading it and driving one per handler.
+
+:class:`NativeLoop` owns the C thread of one FaultHandler. Python tells it, per RAM block, how
+each source index is answered (``Action``); the thread answers those faults itself and forwards
+the rest, and every UFFD_EVENT_REMOVE, to the handler's Python thread (``pop``). Counters and
+service times live in C; the service-time ring is the handler's numpy array.
+
+Without the library (not built by ``make lib``, or ``AZQ_NATIVE_FAULTS=0``) ``available()`` is
+False and FaultHandler serves every fault in Python, as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import os
+from typing import Any
+
+import numpy as np
+
+from azqemu.pages import PAGE_SIZE
+from azqemu.restore.export import RamMapping
+from azqemu.restore.source import CompositeSource, MappedSource, PageSource, StoreSource, ZeroSource
+
+ABI = 1
+_V, _U64, _I64, _I = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64, ctypes.c_int
+EV_FAULT, EV_REMOVE = 1, 2
+# Counter order of azq_fp_counters (C_* in _faultloop.c).
+COUNTERS = ("faults", "served", "already_present", "retries", "stale", "other_events", "forwarded", "native")
+
+
+class Action(enum.IntEnum):
+    """How the thread answers a fault on a page of one source index (A_* in _faultloop.c)."""
+
+    FORWARD = 0       # the Python thread serves it
+    CONTINUE = 1      # UFFDIO_CONTINUE from the file's page cache (a hole: the zero page)
+    ZEROPAGE = 2      # UFFDIO_ZEROPAGE
+    STORE = 3         # the store's C lookup, verified, then UFFDIO_COPY
+    ZERO_COPY = 4     # UFFDIO_COPY of a zero page
+
+
+def _load() -> Any | None:
+    if os.environ.get("AZQ_NATIVE", "1") == "0" or os.environ.get("AZQ_NATIVE_FAULTS", "1") == "0":
+        return None
+    path = os.environ.get("AZQ_FAULTLOOP_LIB") or os.path.join(os.path.dirname(__file__), "_faultloop.so")
+    if not os.path.exists(path):
+        return None
+    try:
+        lib = ctypes.CDLL(path)
+        lib.azq_faultloop_abi.restype = _I
+        if lib.azq_faultloop_abi() != ABI:
+            return None
+        for name, args, res in (
+                ("azq_fp_new", [_I, _I, _V, _U64], _V), ("azq_fp_free", [_V], None),
+                ("azq_fp_set_block", [_V, _I, _U64, _U64, _I64, _I, _V, _U64, _I64, _I, _V, _V, _V], _I),
+                ("azq_fp_set_action", [_V, _I, _I, _I], None), ("azq_fp_set_hot", [_V, _I, _V], None),
+                ("azq_fp_record", [_V, _I64], None), ("azq_fp_samples", [_V], _U64),
+                ("azq_fp_reset_samples", [_V], None), ("azq_fp_counters", [_V, _V], None),
+                ("azq_fp_pop", [_V, _V, _I], _I), ("azq_fp_fwd_fd", [_V], _I), ("azq_fp_alive", [_V], _I),
+                ("azq_fp_start", [_V, _I], _I), ("azq_fp_stop", [_V], None)):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, res
+        return lib
+    except (OSError, AttributeError):
+        return None
+
+
+LIB: Any = _load()      # None without the library
+MAX_BLOCKS = 8
+POP_BATCH = 64
+
+
+def available() -> bool:
+    return LIB is not None
+
+
+class StoreViews:
+    """The stores' native views a handler hands to its thread (one per store and sandbox:
+    ``PageStore.native_view``), given back when the handler closes."""
+
+    def __init__(self) -> None:
+        self._views: list[tuple[Any, Any]] = []
+
+    def view_of(self, s: StoreSource) -> Any:
+        for store, v in self._views:
+            if store is s.store and v.sandbox == s.sandbox:
+                return v
+        make = getattr(s.store, "native_view", None)
+        v = make(s.sandbox) if make is not None else None
+        if v is not None:
+            self._views.append((s.store, v))
+        return v
+
+    def release_all(self) -> None:
+        for store, v in self._views:
+            store.release_native_view(v)
+        self._views = []
+
+
+def source_actions(sources: tuple[PageSource, ...], *, mapped: bool, page_size: int,
+                   views: StoreViews) -> tuple[list[Action], int, int]:
+    """How the thread answers each source (by index), and the store view its STORE pages come
+    from: (actions, decode function address, view address). One store view per block; pages of
+    any other source are forwarded."""
+    decode_addr = view_addr = 0
+    actions: list[Action] = []
+    for s in sources:
+        act = Action.FORWARD
+        if isinstance(s, MappedSource) and mapped:
+            act = Action.CONTINUE
+        elif isinstance(s, ZeroSource) and page_size == PAGE_SIZE:
+            act = Action.ZEROPAGE if mapped else Action.ZERO_COPY
+        elif isinstance(s, StoreSource) and s.page_size == page_size == PAGE_SIZE:
+            v = views.view_of(s)
+            if v is not None and (not view_addr or v.address == view_addr):
+                decode_addr, view_addr = v.decode_addr, v.address
+                act = Action.STORE
+        actions.append(act)
+    return actions, decode_addr, view_addr
+
+
+class NativeLoop:
+    """One C fault thread for one uffd."""
+
+    def __init__(self, uffd: int, n_blocks: int, ring: np.ndarray) -> None:
+        assert LIB is not None
+        if not 1 <= n_blocks <= MAX_BLOCKS:
+            raise ValueError(f"the native fault thread serves 1..{MAX_BLOCKS} RAM blocks, not {n_blocks}")
+        self._lib = LIB
+        self._ring = ring                       # written by C: kept alive here
+        self.handle = int(LIB.azq_fp_new(uffd, n_blocks, ring.ctypes.data, len(ring)) or 0)
+        if not self.handle:
+            raise MemoryError("azq_fp_new")
+        self.fwd_fd = int(LIB.azq_fp_fwd_fd(self.handle))
+        self._events = np.zeros(3 * POP_BATCH, dtype=np.uint64)
+        self._counters = np.zeros(len(COUNTERS), dtype=np.uint64)
+        self._hot_kept: list[list[bytearray]] = [[] for _ in range(n_blocks)]
+        self._pins: list[Any] = []
+        self._final_samples = 0
+
+    def set_block(self, i: int, *, lo: int, hi: int, delta: int, shift: int, kinds: bytearray | None, base: int,
+                  block_action: Action, decode_addr: int, view_addr: int, hot: bytearray) -> None:
+        if not self.handle:
+            return
+        kinds_addr = self._pin(kinds) if kinds is not None else 0
+        rc = self._lib.azq_fp_set_block(self.handle, i, lo, hi, delta, shift, kinds_addr or None,
+                                        len(kinds) if kinds is not None else 0, base, int(block_action),
+                                        decode_addr or None, view_addr or None, self._pin(hot))
+        if rc != 0:
+            raise ValueError(f"block {i} out of range")
+        self._hot_kept[i] = [hot]
+
+    def describe(self, i: int, block: RamMapping, source: PageSource, *, lo: int, hi: int, delta: int, shift: int,
+                 mapped: bool, hot: bytearray, views: StoreViews) -> int:
+        """Tell the thread how block ``i``'s pages are answered; returns the number of
+        sources it was told about (a composite source may gain more later)."""
+        composite = isinstance(source, CompositeSource)
+        sources = source.sources if isinstance(source, CompositeSource) else (source,)
+        actions, decode_addr, view_addr = source_actions(sources, mapped=mapped, page_size=block.page_size,
+                                                         views=views)
+        self.set_block(i, lo=lo, hi=hi, delta=delta, shift=shift,
+                       kinds=source.kinds if isinstance(source, CompositeSource) else None,
+                       base=source.base_offset if isinstance(source, CompositeSource) else 0,
+                       block_action=Action.FORWARD if composite else actions[0],
+                       decode_addr=decode_addr, view_addr=view_addr, hot=hot)
+        if composite:
+            for k in range(256):
+                self.set_action(i, k, actions[k] if k < len(actions) else Action.FORWARD)
+        return len(sources)
+
+    def set_action(self, i: int, kind: int, action: Action) -> None:
+        if not self.handle:
+            return
+        self._lib.azq_fp_set_action(self.handle, i, kind, int(action))
+
+    def set_hot(self, i: int, hot: bytearray) -> None:
+        """Swap block ``i``'s hot map; the old ones stay alive (the thread may be writing one)."""
+        if not self.handle:
+            return
+        self._lib.azq_fp_set_hot(self.handle, i, self._pin(hot))
+        kept = self._hot_kept[i]
+        kept.append(hot)
+        del kept[:-4]
+
+    def _pin(self, buf: bytearray) -> int:
+        if not len(buf):
+            return 0
+        obj = (ctypes.c_char * len(buf)).from_buffer(buf)
+        self._pins.append(obj)          # the export keeps the bytearray from being resized
+        del self._pins[:-64]
+        return ctypes.addressof(obj)
+
+    def start(self, nice: int) -> None:
+        if not self.handle:
+            raise RuntimeError("the native fault thread was closed")
+        if self._lib.azq_fp_start(self.handle, nice) != 0:
+            raise RuntimeError("cannot start the native fault thread")
+
+    def stop(self) -> None:
+        """Join the thread (ctypes releases the GIL meanwhile); retries it held are forwarded."""
+        if not self.handle:
+            return
+        self._lib.azq_fp_stop(self.handle)
+
+    @property
+    def alive(self) -> bool:
+        return bool(self.handle and self._lib.azq_fp_alive(self.handle))
+
+    def pop(self) -> list[tuple[int, int, int]]:
+        """Forwarded events: (EV_FAULT, page address, 0) or (EV_REMOVE, start, end)."""
+        out: list[tuple[int, int, int]] = []
+        ev = self._events
+        while True:
+            n = int(self._lib.azq_fp_pop(self.handle, ev.ctypes.data, POP_BATCH))
+            if n == 0:
+                return out
+            flat = ev[:3 * n].tolist()
+            out.extend(zip(flat[0::3], flat[1::3], flat[2::3]))
+
+    def record(self, t_ns: int) -> None:
+        if self.handle:
+            self._lib.azq_fp_record(self.handle, t_ns)
+
+    @property
+    def samples(self) -> int:
+        return int(self._lib.azq_fp_samples(self.handle)) if self.handle else self._final_samples
+
+    def reset_samples(self) -> None:
+        if self.handle:
+            self._lib.azq_fp_reset_samples(self.handle)
+        self._final_samples = 0
+
+    def counters(self) -> dict[str, int]:
+        """Cumulative; after ``close`` the last figures."""
+        if self.handle:
+            self._lib.azq_fp_counters(self.handle, self._counters.ctypes.data)
+        return dict(zip(COUNTERS, (int(c) for c in self._counters)))
+
+    def close(self) -> None:
+        if self.handle:
+            self._lib.azq_fp_stop(self.handle)
+            self.counters()                        # the last figures stay readable
+            self._final_samples = self.samples
+            self._lib.azq_fp_free(self.handle)
+            self.handle = 0
+            self._pins = []
+
+    @property
+    def state_bytes(self) -> int:
+        """The C struct (queue of forwarded events, retry list, page buffer)."""
+        return 1024 * 24 + 256 * 8 + 2 * 4096

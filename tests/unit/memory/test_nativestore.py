@@ -1,0 +1,110 @@
+"""The C lookup the native fault thread uses (memory/_storeview.c through nativestore.py):
+every stored page decodes to the bytes the Python path gives, through every kind and method
+the encoder picks, the views follow commits, discards and frees, and a damaged payload is
+refused (a code, never wrong bytes). Concurrent writers, flushes and compactions against it:
+test_concurrent_io.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from azqemu.errors import ChecksumMismatch, StoreError
+from azqemu.memory import nativestore
+from azqemu.memory.kinds import PAGE_SIZE
+from azqemu.memory.nativestore import DEC_NOT_STORED, DEC_OK
+from azqemu.memory.store import PageStore
+
+pytestmark = pytest.mark.skipif(not nativestore.available(), reason="_storeview.so not built (make lib)")
+
+
+def _fill(store: PageStore, small_set, template) -> list[str]:
+    names = []
+    for k, (idx, pages) in enumerate(small_set.sandboxes):
+        name = f"s{k}"
+        # Every other page hot: the LZ4 methods are exercised beside zstd's.
+        hot = (np.arange(len(idx)) % 2 == 0) if k == 1 else None
+        store.encode(name, "d", idx, pages, template, use_siblings=True, hot=hot)
+        names.append(name)
+    return names
+
+
+def test_every_page_decodes_as_the_python_path_does(store, small_set, small_template) -> None:
+    names = _fill(store, small_set, small_template)
+    buf = np.empty(PAGE_SIZE, np.uint8)
+    methods: set[int] = set()
+    for name, (idx, _pages) in zip(names, small_set.sandboxes):
+        view = store.native_view(name)
+        assert view is not None
+        try:
+            stored = store.stored_pages(name)
+            expect = store.decode(name, stored)
+            for p, want in zip(stored.tolist(), expect):
+                assert view.decode_into(p, buf) == DEC_OK, p
+                assert np.array_equal(buf, want), f"{name} page {p}"
+            for p in range(int(idx.max()) + 1, int(idx.max()) + 4):
+                assert view.decode_into(p, buf) == DEC_NOT_STORED
+        finally:
+            store.release_native_view(view)
+        with store._lock:
+            sb = store._sandboxes[name]
+            refs = sb.index.ref[(sb.index.flags & 1) == 0]
+            methods |= set(store._table.rows["method"][refs].tolist())
+    assert len(methods) >= 3, methods      # zstd, a delta method and LZ4 at least
+
+
+def test_views_follow_discard_free_and_a_new_encode(store, small_set, small_template) -> None:
+    idx, pages = small_set.sandboxes[0]
+    store.encode("a", "d", idx, pages, small_template)
+    view = store.native_view("a")
+    assert view is not None
+    buf = np.empty(PAGE_SIZE, np.uint8)
+    try:
+        p0 = int(store.stored_pages("a")[0])
+        assert view.decode_into(p0, buf) == DEC_OK
+        store.discard("a", np.array([p0]))
+        assert view.decode_into(p0, buf) == DEC_NOT_STORED
+        store.free_sandbox("a")
+        assert view.decode_into(int(idx[-1]), buf) == DEC_NOT_STORED
+        # The name again, other content: the view serves the new pages, not the old.
+        idx2, pages2 = small_set.sandboxes[1]
+        store.encode("a", "d", idx2, pages2, small_template)
+        stored = store.stored_pages("a")
+        want = store.decode("a", stored)
+        for p, w in zip(stored.tolist(), want):
+            assert view.decode_into(p, buf) == DEC_OK
+            assert np.array_equal(buf, w)
+    finally:
+        store.release_native_view(view)
+
+
+def test_a_damaged_payload_is_refused_not_served(store, small_set, small_template) -> None:
+    idx, pages = small_set.sandboxes[0]
+    store.encode("a", "d", idx, pages, small_template)
+    view = store.native_view("a")
+    assert view is not None
+    buf = np.empty(PAGE_SIZE, np.uint8)
+    try:
+        with store._lock:
+            sb = store._sandboxes["a"]
+            e = int(np.flatnonzero((sb.index.flags & 1) == 0)[0])
+            page, blob = int(sb.index.page[e]), int(sb.index.ref[e])
+            row = store._table.rows[blob]
+            arena = store._arenas.arenas[int(row["arena"])]
+            at = int(row["offset"]) + int(row["length"]) // 2
+            arena.mm[at] ^= 0xFF
+        buf[:] = 0x5A
+        rc = view.decode_into(page, buf)
+        assert rc not in (DEC_OK, DEC_NOT_STORED)
+        assert (buf == 0x5A).all(), "the caller's buffer was written before the check"
+        with pytest.raises((ChecksumMismatch, StoreError)):
+            store.decode_page_into("a", page, np.empty(PAGE_SIZE, np.uint8))
+    finally:
+        store.release_native_view(view)
+
+
+def test_the_state_lock_is_the_native_mutex(store) -> None:
+    assert isinstance(store._lock, nativestore.NativeLock)
+    with store._lock, store._lock:          # recursive, like the RLock it replaces
+        assert store._lock.acquire(blocking=False)
+        store._lock.release()

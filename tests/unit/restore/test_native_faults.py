@@ -1,0 +1,174 @@
+"""The native fault thread serving a real PageStore's pages (restore/_faultloop.c with the
+store's C lookup, memory/_storeview.c), against a real uffd of this process.
+
+The C thread must answer store pages alone (no Python in the path), give the bytes the store
+holds after every commit, and hand a page it cannot verify to the Python thread, which leaves
+the fault waiting and reports it: never a wrong page.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from azqemu.errors import ChecksumMismatch, StoreCorrupt
+from azqemu.memory import nativestore
+from azqemu.memory.store import PageStore
+from azqemu.memory.template import TemplateImage
+from azqemu.restore import native as cfaults
+from azqemu.restore.handler import FaultHandler
+from azqemu.restore.source import CompositeSource, StoreSource
+
+from .test_restore_handler import PAGES, PS, Ram, pattern
+
+pytestmark = [pytest.mark.uffd,
+              pytest.mark.skipif(not (cfaults.available() and nativestore.available()),
+                                 reason="_faultloop.so / _storeview.so not built (make lib)")]
+
+
+def _content(i: int, gen: int) -> bytes:
+    """Page i at version gen: template-equal, zero, a template delta or a page of its own."""
+    k = i % 4
+    if k == 0:
+        return pattern(i)
+    if k == 1:
+        return bytes(PS)
+    page = bytearray(pattern(i) if k == 2 else pattern(i + 1000, gen))
+    page[100:108] = gen.to_bytes(8, "little")
+    return bytes(page)
+
+
+@pytest.fixture
+def world() -> Iterator[tuple[Ram, PageStore, TemplateImage]]:
+    ram = Ram()
+    tpl = TemplateImage(page_idx=np.arange(PAGES), pages=np.stack([np.frombuffer(pattern(i), np.uint8)
+                                                                  for i in range(PAGES)]),
+                        size_bytes=PAGES * PS)
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryDirectory(prefix="azq-test-", dir=base) as d:
+        store = PageStore(d, templates=(tpl,))
+        try:
+            yield ram, store, tpl
+        finally:
+            store.close()
+            ram.close()
+
+
+def _store_and_punch(ram: Ram, store: PageStore, tpl: TemplateImage, pages: list[int], gen: int) -> None:
+    idx = np.array(pages, dtype=np.int64)
+    for i in pages:
+        ram.map[i * PS:(i + 1) * PS] = _content(i, gen)
+    data = np.stack([np.frombuffer(_content(i, gen), np.uint8) for i in pages])
+    store.encode("sb", "d", idx, data, tpl)
+    for i in pages:
+        ram.handle.punch(ram.block, i * PS, PS)
+
+
+def _read_all(ram: Ram, pages: list[int], timeout_s: float = 10) -> dict[int, bytes]:
+    got: dict[int, bytes] = {}
+    t = ram.reader(pages, got)
+    t.join(timeout_s)
+    assert not t.is_alive(), "a read stayed blocked"
+    return got
+
+
+def _wait_for(cond, timeout_s: float = 5) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_store_pages_are_served_by_the_c_thread_alone(world) -> None:
+    ram, store, tpl = world
+    ram.handle.register(ram.addr, ram.size)
+    _store_and_punch(ram, store, tpl, list(range(PAGES)), gen=1)
+    comp = CompositeSource.for_sandbox(PAGES, PS, stored=np.arange(PAGES), store=StoreSource(store, "sb"))
+    with FaultHandler(ram.handle, comp) as h:
+        assert h.native
+        got1: dict[int, bytes] = {}
+        got2: dict[int, bytes] = {}
+        t1, t2 = ram.reader(list(range(PAGES)), got1), ram.reader(list(reversed(range(PAGES))), got2)
+        t1.join(10)
+        t2.join(10)
+        assert not t1.is_alive() and not t2.is_alive()
+        for i in range(PAGES):
+            assert got1[i] == _content(i, 1) and got2[i] == _content(i, 1), i
+        _wait_for(lambda: h.stats().served + h.stats().already_present >= h.stats().faults)
+        c = h.native_counters()
+        s = h.stats()
+    assert c["forwarded"] == 0, c
+    assert s.native_served == s.faults and s.served == PAGES and s.errors == 0, s
+    assert s.service_samples == s.faults
+
+
+def test_the_thread_follows_new_commits(world) -> None:
+    ram, store, tpl = world
+    ram.handle.register(ram.addr, ram.size)
+    pages = list(range(0, PAGES, 3))
+    _store_and_punch(ram, store, tpl, pages, gen=1)
+    comp = CompositeSource.for_sandbox(PAGES, PS, stored=np.array(pages), store=StoreSource(store, "sb"))
+    with FaultHandler(ram.handle, comp) as h:
+        assert _read_all(ram, pages) == {i: _content(i, 1) for i in pages}
+        for gen in (2, 3):                  # re-encoded with new versions while it runs
+            _store_and_punch(ram, store, tpl, pages, gen=gen)
+            assert _read_all(ram, pages) == {i: _content(i, gen) for i in pages}
+        assert h.native_counters()["forwarded"] == 0
+
+
+def test_a_page_that_fails_its_check_waits_and_is_reported(world) -> None:
+    ram, store, tpl = world
+    ram.handle.register(ram.addr, ram.size)
+    _store_and_punch(ram, store, tpl, [6], gen=1)      # a page of its own: a blob
+    with store._lock:
+        sb = store._sandboxes["sb"]
+        blob = int(sb.index.ref[0])
+        row = store._table.rows[blob]
+        arena = store._arenas.arenas[int(row["arena"])]
+        at = int(row["offset"]) + int(row["length"]) // 2
+        arena.mm[at] ^= 0xFF
+    errors: list[BaseException] = []
+    comp = CompositeSource.for_sandbox(PAGES, PS, stored=[6], store=StoreSource(store, "sb"))
+    with FaultHandler(ram.handle, comp, on_error=lambda e, hva: errors.append(e)) as h:
+        got: dict[int, bytes] = {}
+        t = ram.reader([6], got)
+        _wait_for(lambda: bool(errors))
+        assert errors and isinstance(errors[0], (ChecksumMismatch, StoreCorrupt)), errors
+        assert t.is_alive() and not got, "a page that failed its check reached the reader"
+        assert h.native_counters()["forwarded"] >= 1
+        with store._lock:
+            arena.mm[at] ^= 0xFF            # repaired: the retry serves the stored bytes
+        h.retry_failed()
+        t.join(5)
+        assert not t.is_alive() and got[6] == _content(6, 1)
+
+
+def test_a_stop_and_start_keeps_serving(world) -> None:
+    ram, store, tpl = world
+    ram.handle.register(ram.addr, ram.size)
+    _store_and_punch(ram, store, tpl, list(range(32)), gen=1)
+    comp = CompositeSource.for_sandbox(PAGES, PS, stored=np.arange(32), store=StoreSource(store, "sb"))
+    h = FaultHandler(ram.handle, comp)
+    try:
+        h.start()
+        assert _read_all(ram, list(range(16))) == {i: _content(i, 1) for i in range(16)}
+        h.stop()
+        stopped = threading.Event()
+        got: dict[int, bytes] = {}
+
+        def late_reader() -> None:
+            got.update({i: ram.read(i) for i in range(16, 32)})
+            stopped.set()
+        threading.Thread(target=late_reader, daemon=True).start()
+        time.sleep(0.1)
+        assert not stopped.is_set()          # nobody serves while stopped
+        h.start()                            # wakes the waiting thread, which faults again
+        assert stopped.wait(10)
+        assert got == {i: _content(i, 1) for i in range(16, 32)}
+    finally:
+        h.close()
