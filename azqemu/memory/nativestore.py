@@ -39,7 +39,7 @@ DEC_OK, DEC_NOT_STORED, DEC_CORRUPT, DEC_MISMATCH, DEC_UNSUPPORTED = range(5)
 
 
 def _layout_matches() -> bool:
-    fields = BLOB_DTYPE.fields or {}
+    fields: Any = BLOB_DTYPE.fields or {}
     return BLOB_DTYPE.itemsize == 36 and all(f in fields and fields[f][1] == o for f, o in _C_BLOB_OFFSETS.items())
 
 
