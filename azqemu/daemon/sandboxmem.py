@@ -128,6 +128,8 @@ class SandboxMemory:
         self.sources = CompositeSource(pages, self.block.page_size, default=self._unstored)
         if self.cow:
             self.sources.register(self._zero_src)  # known to the fault handler from its start
+        # So is the store: the native fault thread answers its pages from the first fault on.
+        self.sources.register(self._store_src)
         if name in store.sandboxes():
             stored_owner = store.owner_of(name)
             if owner is not None and stored_owner is not None and stored_owner != owner:

@@ -375,3 +375,15 @@ int azq_view_decode(azq_view *v, uint64_t p, uint8_t *out) { return view_decode(
 /* The fault thread's entry: decodes straight into its own page buffer, which no guest sees
  * unless the check passed. Returns 0 when ``out`` holds the verified page. */
 int azq_view_decode_inplace(void *v, uint64_t p, uint8_t *out) { return view_decode(v, p, out, 1); }
+
+/* Pages pages[0..n) of the view's sandbox into out (page i at out + i * PAGE), for the resume
+ * prefetch. Returns -1 when every page was produced and verified, else the index of the first
+ * that was not (out's contents are then undefined: the caller decodes again in Python, which
+ * raises the error). */
+long azq_view_decode_many(azq_view *v, const int64_t *pages, long n, uint8_t *out)
+{
+    for (long i = 0; i < n; i++)
+        if (pages[i] < 0 || view_decode(v, (uint64_t)pages[i], out + (size_t)i * PAGE, 1) != DEC_OK)
+            return i;
+    return -1;
+}

@@ -66,7 +66,8 @@ def _load() -> Any | None:
                 ("azq_view_new", [_V], _V), ("azq_view_free", [_V], None),
                 ("azq_view_set_index", [_V, _I, _V, _U64, _V, _V, _V, _V, _U64], None),
                 ("azq_view_set_template", [_V, _V, _V, _V, _V, _U64], None),
-                ("azq_view_decode", [_V, _U64, _V], _I)):
+                ("azq_view_decode", [_V, _U64, _V], _I),
+                ("azq_view_decode_many", [_V, _V, ctypes.c_long, _V], ctypes.c_long)):
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, res
         lz4d = lz4page.function_addresses()[1]
@@ -186,6 +187,12 @@ class NativeView:
     def decode_into(self, page_idx: int, out: np.ndarray) -> int:
         """The C lookup of one page into ``out`` (4096 bytes); a DEC_* code."""
         return int(LIB.azq_view_decode(self.address, page_idx, out.ctypes.data))
+
+    def decode_many(self, page_idx: np.ndarray, out: np.ndarray) -> bool:
+        """Pages ``page_idx`` into the rows of ``out`` ((n, 4096) uint8, C-contiguous), every
+        one verified; False if any could not be (``out`` is then undefined)."""
+        idx = np.ascontiguousarray(page_idx, dtype=np.int64)
+        return int(LIB.azq_view_decode_many(self.address, idx.ctypes.data, len(idx), out.ctypes.data)) == -1
 
     def free(self) -> None:
         if self.address:

@@ -433,12 +433,10 @@ class PageStore(StoreWriter):
             return None
         with self._lock:
             sb = self._sandboxes.get(sandbox)
-            template = None
-            if sb is not None:
-                try:
-                    template = self._template(sb.template_id)
-                except StoreError:
-                    template = None     # its pages are left to the Python path, which says why
+            try:
+                template = self._template(sb.template_id) if sb is not None else None
+            except StoreError:
+                template = None     # its pages are left to the Python path, which says why
             return self._native.view(sandbox, sb.index if sb is not None else None, template)
 
     def release_native_view(self, view: NativeView) -> None:
@@ -504,6 +502,11 @@ class PageStore(StoreWriter):
         the prefetcher's form of ``decode``, same verification and errors."""
         n = len(page_idx)
         arr = np.frombuffer(out, dtype=np.uint8, count=n * PAGE_SIZE).reshape(n, PAGE_SIZE)
+        # A sandbox with a native view (its fault thread runs): decoded in C, page by page,
+        # without the GIL; anything it cannot produce is decoded (or refused) again below.
+        view = self._native.views.get(sandbox) if self._native is not None else None
+        if view is not None and view.decode_many(page_idx, arr):
+            return
         self.decode(sandbox, page_idx, out=arr)
 
     # ------------------------------------------------------------------ release

@@ -48,7 +48,7 @@ typedef int (*decode_fn)(void *view, uint64_t page_idx, uint8_t *out);
 static const uint8_t zero_page[PAGE] __attribute__((aligned(PAGE)));
 
 /* ---------------------------------------------------------------- the fault thread */
-enum { A_FORWARD = 0, A_CONTINUE = 1, A_ZEROPAGE = 2, A_STORE = 3, A_ZERO_COPY = 4 };
+enum { A_FORWARD = 0, A_CONTINUE = 1, A_ZEROPAGE = 2, A_STORE = 3, A_ZERO_COPY = 4, A_FILE = 5 };
 enum { EV_FAULT = 1, EV_REMOVE = 2 };
 enum { C_FAULTS, C_SERVED, C_EEXIST, C_RETRIES, C_STALE, C_OTHER, C_FORWARDED, C_NATIVE, C_N };
 
@@ -63,6 +63,8 @@ typedef struct {
     uint8_t block_action;          /* without kinds */
     void *view;                    /* the store view of A_STORE pages */
     decode_fn decode;
+    int file_fd;                   /* A_FILE pages: pread at file_base + offset (a lazy clone's */
+    int64_t file_base;             /* template image; holes and beyond the end read as zero) */
     uint8_t *volatile hot;         /* a byte per page, swapped by Python */
 } fp_block;
 
@@ -99,6 +101,8 @@ azq_fp *azq_fp_new(int uffd, int nblocks, int64_t *ring, uint64_t ring_size)
     if (!fp)
         return NULL;
     memset(fp, 0, sizeof(*fp));
+    for (int i = 0; i < MAX_BLOCKS; i++)
+        fp->blocks[i].file_fd = -1;
     fp->uffd = uffd;
     fp->nblocks = nblocks;
     fp->ring = ring;
@@ -114,6 +118,15 @@ azq_fp *azq_fp_new(int uffd, int nblocks, int64_t *ring, uint64_t ring_size)
     return fp;
 }
 
+/* A_FILE pages of block i come from fd (the caller keeps it open while the thread runs). */
+void azq_fp_set_file(azq_fp *fp, int i, int fd, int64_t base)
+{
+    if (i >= 0 && i < fp->nblocks) {
+        fp->blocks[i].file_base = base;
+        __atomic_store_n(&fp->blocks[i].file_fd, fd, __ATOMIC_RELEASE);
+    }
+}
+
 int azq_fp_set_block(azq_fp *fp, int i, uint64_t lo, uint64_t hi, int64_t delta, int shift, const uint8_t *kinds,
                      uint64_t kinds_n, int64_t base, int block_action, void *decode, void *view,
                      uint8_t *hot)
@@ -125,7 +138,7 @@ int azq_fp_set_block(azq_fp *fp, int i, uint64_t lo, uint64_t hi, int64_t delta,
     b->kinds = kinds; b->kinds_n = kinds_n; b->base = base;
     b->block_action = (uint8_t)block_action;
     b->view = view;
-    b->decode = (decode_fn)decode;
+    __atomic_store_n(&b->decode, (decode_fn)decode, __ATOMIC_RELEASE);   /* after its view */
     __atomic_store_n(&b->hot, hot, __ATOMIC_RELEASE);
     return 0;
 }
@@ -293,13 +306,27 @@ static void serve(azq_fp *fp, uint64_t address, int64_t t0)
         }
         ok = copy_page(fp, page, size, zero_page);
         break;
-    case A_STORE:
-        if (size != PAGE || !b->decode || off < 0 || b->decode(b->view, (uint64_t)off >> PAGE_SHIFT, fp->page) != 0) {
+    case A_STORE: {
+        decode_fn decode = __atomic_load_n(&b->decode, __ATOMIC_ACQUIRE);
+        if (size != PAGE || !decode || off < 0 || decode(b->view, (uint64_t)off >> PAGE_SHIFT, fp->page) != 0) {
             forward(fp, EV_FAULT, page, 0);   /* the Python path serves it or says why not */
             return;
         }
         ok = copy_page(fp, page, size, fp->page);
         break;
+    }
+    case A_FILE: {
+        int fd = __atomic_load_n(&b->file_fd, __ATOMIC_ACQUIRE);
+        ssize_t n = size == PAGE && fd >= 0 ? pread(fd, fp->page, PAGE, b->file_base + off) : -1;
+        if (n < 0) {
+            forward(fp, EV_FAULT, page, 0);
+            return;
+        }
+        if (n < PAGE)
+            memset(fp->page + n, 0, PAGE - n);
+        ok = copy_page(fp, page, size, fp->page);
+        break;
+    }
     default:
         forward(fp, EV_FAULT, page, 0);
         return;

@@ -20,7 +20,7 @@ import numpy as np
 
 from azqemu.pages import PAGE_SIZE
 from azqemu.restore.export import RamMapping
-from azqemu.restore.source import CompositeSource, MappedSource, PageSource, StoreSource, ZeroSource
+from azqemu.restore.source import CompositeSource, MappedSource, PageSource, StoreSource, TemplateSource, ZeroSource
 
 ABI = 1
 _V, _U64, _I64, _I = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64, ctypes.c_int
@@ -37,6 +37,7 @@ class Action(enum.IntEnum):
     ZEROPAGE = 2      # UFFDIO_ZEROPAGE
     STORE = 3         # the store's C lookup, verified, then UFFDIO_COPY
     ZERO_COPY = 4     # UFFDIO_COPY of a zero page
+    FILE = 5          # pread from the block's file (a lazy clone's template image), then UFFDIO_COPY
 
 
 def _load() -> Any | None:
@@ -53,7 +54,7 @@ def _load() -> Any | None:
         for name, args, res in (
                 ("azq_fp_new", [_I, _I, _V, _U64], _V), ("azq_fp_free", [_V], None),
                 ("azq_fp_set_block", [_V, _I, _U64, _U64, _I64, _I, _V, _U64, _I64, _I, _V, _V, _V], _I),
-                ("azq_fp_set_action", [_V, _I, _I, _I], None), ("azq_fp_set_hot", [_V, _I, _V], None),
+                ("azq_fp_set_action", [_V, _I, _I, _I], None), ("azq_fp_set_file", [_V, _I, _I, _I64], None), ("azq_fp_set_hot", [_V, _I, _V], None),
                 ("azq_fp_record", [_V, _I64], None), ("azq_fp_samples", [_V], _U64),
                 ("azq_fp_reset_samples", [_V], None), ("azq_fp_counters", [_V, _V], None),
                 ("azq_fp_pop", [_V, _V, _I], _I), ("azq_fp_fwd_fd", [_V], _I), ("azq_fp_alive", [_V], _I),
@@ -98,15 +99,20 @@ class StoreViews:
 
 
 def source_actions(sources: tuple[PageSource, ...], *, mapped: bool, page_size: int,
-                   views: StoreViews) -> tuple[list[Action], int, int]:
-    """How the thread answers each source (by index), and the store view its STORE pages come
-    from: (actions, decode function address, view address). One store view per block; pages of
-    any other source are forwarded."""
+                   views: StoreViews) -> tuple[list[Action], int, int, TemplateSource | None]:
+    """How the thread answers each source (by index), the store view its STORE pages come
+    from and the file its FILE pages come from: (actions, decode function address, view
+    address, template source). One store view and one file per block; pages of any other
+    source are forwarded."""
     decode_addr = view_addr = 0
+    file_src: TemplateSource | None = None
     actions: list[Action] = []
     for s in sources:
         act = Action.FORWARD
-        if isinstance(s, MappedSource) and mapped:
+        if isinstance(s, TemplateSource) and page_size == PAGE_SIZE and s.fd >= 0 and file_src in (None, s):
+            file_src = s
+            act = Action.FILE
+        elif isinstance(s, MappedSource) and mapped:
             act = Action.CONTINUE
         elif isinstance(s, ZeroSource) and page_size == PAGE_SIZE:
             act = Action.ZEROPAGE if mapped else Action.ZERO_COPY
@@ -116,7 +122,7 @@ def source_actions(sources: tuple[PageSource, ...], *, mapped: bool, page_size: 
                 decode_addr, view_addr = v.decode_addr, v.address
                 act = Action.STORE
         actions.append(act)
-    return actions, decode_addr, view_addr
+    return actions, decode_addr, view_addr, file_src
 
 
 class NativeLoop:
@@ -137,6 +143,8 @@ class NativeLoop:
         self._hot_kept: list[list[bytearray]] = [[] for _ in range(n_blocks)]
         self._pins: list[Any] = []
         self._final_samples = 0
+        self._files: dict[int, tuple[TemplateSource, int]] = {}
+        self._stale_fds: list[int] = []
 
     def set_block(self, i: int, *, lo: int, hi: int, delta: int, shift: int, kinds: bytearray | None, base: int,
                   block_action: Action, decode_addr: int, view_addr: int, hot: bytearray) -> None:
@@ -156,8 +164,16 @@ class NativeLoop:
         sources it was told about (a composite source may gain more later)."""
         composite = isinstance(source, CompositeSource)
         sources = source.sources if isinstance(source, CompositeSource) else (source,)
-        actions, decode_addr, view_addr = source_actions(sources, mapped=mapped, page_size=block.page_size,
-                                                         views=views)
+        actions, decode_addr, view_addr, file_src = source_actions(sources, mapped=mapped,
+                                                                   page_size=block.page_size, views=views)
+        if file_src is not None and self._files.get(i, (None, -1))[0] is not file_src:
+            # A dup of its own: the source may close its descriptor while the thread reads.
+            old = self._files.get(i, (None, -1))[1]
+            fd = os.dup(file_src.fd)
+            self._lib.azq_fp_set_file(self.handle, i, fd, file_src.base_offset)
+            self._files[i] = (file_src, fd)
+            if old >= 0:
+                self._stale_fds.append(old)     # closed with the thread: it may be reading it
         self.set_block(i, lo=lo, hi=hi, delta=delta, shift=shift,
                        kinds=source.kinds if isinstance(source, CompositeSource) else None,
                        base=source.base_offset if isinstance(source, CompositeSource) else 0,
@@ -229,6 +245,8 @@ class NativeLoop:
         if self.handle:
             self._lib.azq_fp_reset_samples(self.handle)
         self._final_samples = 0
+        self._files: dict[int, tuple[TemplateSource, int]] = {}
+        self._stale_fds: list[int] = []
 
     def counters(self) -> dict[str, int]:
         """Cumulative; after ``close`` the last figures."""
@@ -244,6 +262,9 @@ class NativeLoop:
             self._lib.azq_fp_free(self.handle)
             self.handle = 0
             self._pins = []
+            for fd in [fd for _, fd in self._files.values()] + self._stale_fds:
+                os.close(fd)
+            self._files, self._stale_fds = {}, []
 
     @property
     def state_bytes(self) -> int:

@@ -108,6 +108,11 @@ class TemplateSource:
         self.base_offset = base_offset
         self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
 
+    @property
+    def fd(self) -> int:
+        """The image's descriptor (-1 once closed): the native fault thread reads a dup of it."""
+        return self._fd
+
     def fill(self, offset: int, out: memoryview) -> bool:
         n = os.preadv(self._fd, [out], self.base_offset + offset)
         if n < len(out):

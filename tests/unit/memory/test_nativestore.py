@@ -44,6 +44,11 @@ def test_every_page_decodes_as_the_python_path_does(store, small_set, small_temp
                 assert np.array_equal(buf, want), f"{name} page {p}"
             for p in range(int(idx.max()) + 1, int(idx.max()) + 4):
                 assert view.decode_into(p, buf) == DEC_NOT_STORED
+            # The prefetch's bulk form goes through the view while it exists.
+            bulk = np.zeros((len(stored), PAGE_SIZE), np.uint8)
+            assert view.decode_many(stored, bulk)
+            store.decode_pages_into(name, stored, memoryview(bulk).cast("B"))
+            assert np.array_equal(bulk, expect)
         finally:
             store.release_native_view(view)
         with store._lock:
@@ -99,6 +104,12 @@ def test_a_damaged_payload_is_refused_not_served(store, small_set, small_templat
         assert (buf == 0x5A).all(), "the caller's buffer was written before the check"
         with pytest.raises((ChecksumMismatch, StoreError)):
             store.decode_page_into("a", page, np.empty(PAGE_SIZE, np.uint8))
+        # In bulk: the C loop stops at it and the Python decode raises, never a page handed out.
+        bulk = np.zeros((2, PAGE_SIZE), np.uint8)
+        pair = np.array(sorted({page, int(store.stored_pages("a")[0])}), dtype=np.int64)
+        assert not view.decode_many(np.array([page]), bulk[:1])
+        with pytest.raises((ChecksumMismatch, StoreError)):
+            store.decode_pages_into("a", pair, memoryview(bulk[:len(pair)]).cast("B"))
     finally:
         store.release_native_view(view)
 

@@ -23,7 +23,7 @@ from azqemu.memory.store import PageStore
 from azqemu.memory.template import TemplateImage
 from azqemu.restore import native as cfaults
 from azqemu.restore.handler import FaultHandler
-from azqemu.restore.source import CompositeSource, StoreSource
+from azqemu.restore.source import CompositeSource, StoreSource, TemplateSource
 
 from .test_restore_handler import PAGES, PS, Ram, pattern
 
@@ -172,3 +172,23 @@ def test_a_stop_and_start_keeps_serving(world) -> None:
         assert got == {i: _content(i, 1) for i in range(16, 32)}
     finally:
         h.close()
+
+
+def test_a_lazy_clones_template_pages_are_read_by_the_c_thread(world, tmp_path) -> None:
+    ram, store, tpl = world
+    image = tmp_path / "template.ram"
+    image.write_bytes(b"".join(pattern(i, gen=3) for i in range(PAGES - 8)))    # shorter: the rest reads as zero
+    ram.handle.register(ram.addr, ram.size)
+    for i in range(PAGES):
+        ram.handle.punch(ram.block, i * PS, PS)
+    with TemplateSource(image) as src:
+        comp = CompositeSource(PAGES, PS, default=src)
+        h = FaultHandler(ram.handle, comp)
+        h.start()
+        try:
+            got = _read_all(ram, list(range(PAGES)))
+            c = h.native_counters()
+        finally:
+            h.close()
+    assert got == {i: pattern(i, gen=3) if i < PAGES - 8 else bytes(PS) for i in range(PAGES)}
+    assert c["forwarded"] == 0 and c["native"] >= PAGES, c
