@@ -20,7 +20,14 @@ import numpy as np
 
 from azqemu.pages import PAGE_SIZE
 from azqemu.restore.export import RamMapping
-from azqemu.restore.source import CompositeSource, MappedSource, PageSource, StoreSource, TemplateSource, ZeroSource
+from azqemu.restore.source import (
+    CompositeSource,
+    MappedSource,
+    PageSource,
+    StoreSource,
+    TemplateSource,
+    ZeroSource,
+)
 
 ABI = 1
 _V, _U64, _I64, _I = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64, ctypes.c_int
@@ -264,7 +271,8 @@ class NativeLoop:
             self._pins = []
             for fd in [fd for _, fd in self._files.values()] + self._stale_fds:
                 os.close(fd)
-            self._files, self._stale_fds = {}, []
+            self._files.clear()
+            self._stale_fds.clear()
 
     @property
     def state_bytes(self) -> int:
