@@ -252,8 +252,6 @@ class NativeLoop:
         if self.handle:
             self._lib.azq_fp_reset_samples(self.handle)
         self._final_samples = 0
-        self._files: dict[int, tuple[TemplateSource, int]] = {}
-        self._stale_fds: list[int] = []
 
     def counters(self) -> dict[str, int]:
         """Cumulative; after ``close`` the last figures."""
