@@ -39,7 +39,7 @@ enum { C_ZSTD = 0, C_XOR_T = 1, C_PREFIX_T = 2, C_XOR_S = 3, C_PREFIX_S = 4, C_L
 /* Decode methods: numbering of azqemu.memory.kinds.Method. */
 enum { M_ZSTD = 0, M_XOR = 1, M_PREFIX = 2, M_LZ4 = 3, M_LZ4_XOR = 4 };
 
-int azq_pagecodec_abi(void) { return 2; }
+int azq_pagecodec_abi(void) { return 3; }
 
 /* lz4.h (v1.9 stable API) and xxhash.h (v0.8, XXH3 stable) signatures. */
 typedef int (*lz4_compress_fn)(const char *src, char *dst, int srcSize, int dstCapacity);
@@ -270,6 +270,21 @@ int azq_page_checks(int k, const uint8_t *base, const int64_t *row, uint64_t *ou
         return -1;
     for (int i = 0; i < k; i++)
         out[i] = page_check(base + (size_t)row[i] * PAGE);
+    return 0;
+}
+
+/* Both halves of the store's XXH3-128 hash of k pages at base + row[i]*PAGE (row NULL: page
+ * i at base + i*PAGE), as pagehash.page_hashes gives them: key = the canonical digest's first 8
+ * bytes, check = its last 8, each read as a little-endian u64 (XXH3 must be set). */
+int azq_page_hashes(long k, const uint8_t *base, const int64_t *row, uint64_t *key, uint64_t *check)
+{
+    if (!xxh3_128)
+        return -1;
+    for (long i = 0; i < k; i++) {
+        xxh128_hash h = xxh3_128(base + (size_t)(row ? row[i] : i) * PAGE, PAGE);
+        key[i] = __builtin_bswap64(h.high64);
+        check[i] = __builtin_bswap64(h.low64);
+    }
     return 0;
 }
 

@@ -89,7 +89,7 @@ _LIB = _load_libzstd()
 # The optional C loops (_pagecodec.c, built by the Makefile). Flags and choices mirror the C enums.
 F_XOR_T, F_PREFIX_T, F_XOR_S, F_PREFIX_S, F_HAS_S, F_LZ4 = 1, 2, 4, 8, 16, 32
 C_ZSTD, C_XOR_T, C_PREFIX_T, C_XOR_S, C_PREFIX_S, C_LZ4, C_LZ4_XOR_T, C_LZ4_XOR_S, C_RAW = 0, 1, 2, 3, 4, 5, 6, 7, 255
-NATIVE_ABI = 2
+NATIVE_ABI = 3
 
 
 def _xxh3_128_address() -> int:
@@ -123,6 +123,8 @@ def _load_native() -> Any | None:
         lib.azq_decode_batch.argtypes = [_V, _I, _V, _V, _V, _V, _V, _V, _V, _V]
         lib.azq_page_checks.restype = _I
         lib.azq_page_checks.argtypes = [_I, _V, _V, _V]
+        lib.azq_page_hashes.restype = _I
+        lib.azq_page_hashes.argtypes = [ctypes.c_long, _V, _V, _V, _V]
         lib.azq_gather.restype = None
         lib.azq_gather.argtypes = [_I, _V, _V, _V]
         lib.azq_set_helpers.restype = _I

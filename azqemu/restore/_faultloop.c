@@ -50,7 +50,7 @@ static const uint8_t zero_page[PAGE] __attribute__((aligned(PAGE)));
 /* ---------------------------------------------------------------- the fault thread */
 enum { A_FORWARD = 0, A_CONTINUE = 1, A_ZEROPAGE = 2, A_STORE = 3, A_ZERO_COPY = 4, A_FILE = 5 };
 enum { EV_FAULT = 1, EV_REMOVE = 2 };
-enum { C_FAULTS, C_SERVED, C_EEXIST, C_RETRIES, C_STALE, C_OTHER, C_FORWARDED, C_NATIVE, C_N };
+enum { C_FAULTS, C_SERVED, C_EEXIST, C_RETRIES, C_STALE, C_OTHER, C_FORWARDED, C_NATIVE, C_DROPPED, C_N };
 
 typedef struct {
     uint64_t lo, hi;
@@ -183,6 +183,12 @@ static void forward(azq_fp *fp, uint64_t type, uint64_t a, uint64_t b)
     while (fp->q_tail - __atomic_load_n(&fp->q_head, __ATOMIC_ACQUIRE) >= QUEUE_SLOTS && !fp->stopping) {
         struct timespec ts = {0, 100000};
         nanosleep(&ts, NULL);
+    }
+    if (fp->q_tail - __atomic_load_n(&fp->q_head, __ATOMIC_ACQUIRE) >= QUEUE_SLOTS) {
+        /* Stopping with the queue full: the fault is not lost for good, the next handler's
+         * start wakes every waiting thread and it faults again. */
+        count(fp, C_DROPPED);
+        return;
     }
     uint64_t *slot = fp->queue[fp->q_tail & (QUEUE_SLOTS - 1)];
     slot[0] = type; slot[1] = a; slot[2] = b;

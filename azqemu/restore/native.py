@@ -33,7 +33,8 @@ ABI = 1
 _V, _U64, _I64, _I = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64, ctypes.c_int
 EV_FAULT, EV_REMOVE = 1, 2
 # Counter order of azq_fp_counters (C_* in _faultloop.c).
-COUNTERS = ("faults", "served", "already_present", "retries", "stale", "other_events", "forwarded", "native")
+COUNTERS = ("faults", "served", "already_present", "retries", "stale", "other_events", "forwarded", "native",
+            "dropped_at_stop")
 
 
 class Action(enum.IntEnum):

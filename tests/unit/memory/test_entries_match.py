@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from azqemu.memory.kinds import Kind
+from azqemu.memory.kinds import PAGE_SIZE, Kind
 from azqemu.memory.pagehash import page_hashes
 
 
@@ -46,3 +46,24 @@ def test_other_sandboxes_and_unknown_pages_never_match(store, small_set, small_t
     assert not store.entries_match("a", far, key, check).any()
     store.discard("a", a_idx)
     assert not store.entries_match("a", a_idx, key, check).any()           # released
+
+
+def test_page_hashes_are_xxh3_128_halves_on_every_path(monkeypatch) -> None:
+    """The C loop (where _pagecodec.so is built) and the per-page xxhash calls give the same
+    (key, check): the canonical XXH3-128 digest's two halves, read little-endian."""
+    import xxhash
+
+    from azqemu.memory import pagehash
+
+    rng = np.random.default_rng(5)
+    pages = rng.integers(0, 256, (64, PAGE_SIZE), dtype=np.uint8)
+    pages[::4] = 0
+    want = np.frombuffer(b"".join(xxhash.xxh3_128_digest(p.data) for p in pages), "<u8").reshape(-1, 2)
+    rows = np.array([9, 0, 63, 9], dtype=np.int64)
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(pagehash, "_native", lambda: None)
+        key, check = pagehash.page_hashes(pages)
+        assert (key == want[:, 0]).all() and (check == want[:, 1]).all(), native
+        k2, c2 = pagehash.page_hashes_rows(pages, rows)
+        assert (k2 == want[rows, 0]).all() and (c2 == want[rows, 1]).all(), native
