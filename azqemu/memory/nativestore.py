@@ -236,6 +236,19 @@ class NativeTables:
             v.users += 1
             return v
 
+    def decode_many(self, sandbox: str, page_idx: np.ndarray, out: np.ndarray) -> bool:
+        """The prefetch's bulk decode in C, through the sandbox's view while a user (its fault
+        thread) holds one; False if there is none or a page could not be produced."""
+        with self.lock:
+            v = self.views.get(sandbox)
+            if v is None:
+                return False
+            v.users += 1             # not freed under us by a handler closing meanwhile
+        try:
+            return v.decode_many(page_idx, out)
+        finally:
+            self.release(v)
+
     def release(self, view: NativeView) -> None:
         with self.lock:
             view.users -= 1

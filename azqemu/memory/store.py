@@ -504,8 +504,7 @@ class PageStore(StoreWriter):
         arr = np.frombuffer(out, dtype=np.uint8, count=n * PAGE_SIZE).reshape(n, PAGE_SIZE)
         # A sandbox with a native view (its fault thread runs): decoded in C, page by page,
         # without the GIL; anything it cannot produce is decoded (or refused) again below.
-        view = self._native.views.get(sandbox) if self._native is not None else None
-        if view is not None and view.decode_many(page_idx, arr):
+        if self._native is not None and self._native.decode_many(sandbox, page_idx, arr):
             return
         self.decode(sandbox, page_idx, out=arr)
 

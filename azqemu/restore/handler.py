@@ -326,9 +326,9 @@ class FaultHandler:
             b.discarded = []
 
     def state_bytes(self) -> int:
-        """Memory this handler holds for its sandbox: the per-page hot and discarded maps
-        (a byte per page each), the service-time ring (allocated size) and the page and
-        message buffers."""
+        """Memory this handler holds for its sandbox: the hot map (a byte per page), the
+        discarded ranges, the service-time ring, the page and message buffers and the C
+        thread's state."""
         per_page = sum(len(b.hot) + (len(b.discarded) if isinstance(b.discarded, bytearray)
                                      else 64 * len(b.discarded)) for b in self._blocks)
         c_part = self._native.state_bytes if self._native is not None else 0

@@ -273,6 +273,12 @@ class NativeLoop:
             self._files.clear()
             self._stale_fds.clear()
 
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
     @property
     def state_bytes(self) -> int:
         """The C struct (queue of forwarded events, retry list, page buffer)."""
