@@ -128,8 +128,7 @@ class SandboxMemory:
         self.sources = CompositeSource(pages, self.block.page_size, default=self._unstored)
         if self.cow:
             self.sources.register(self._zero_src)  # known to the fault handler from its start
-        # So is the store: the native fault thread answers its pages from the first fault on.
-        self.sources.register(self._store_src)
+        self.sources.register(self._store_src)     # so is the store (the native fault thread)
         if name in store.sandboxes():
             stored_owner = store.owner_of(name)
             if owner is not None and stored_owner is not None and stored_owner != owner:
@@ -145,6 +144,7 @@ class SandboxMemory:
         self.handler = FaultHandler(self.handle, self._sources_for_blocks(), on_error=partial(_on_error, name),
                                     name=f"azq-faults-{name}")
         self.registered = False
+        self._mapped_all = False      # a compression mapped every untouched page (_map_unstored)
         self.compressed = False
         self.hot_idx = np.empty(0, dtype=np.int64)
         self._prefetched_idx = np.empty(0, dtype=np.int64)
@@ -270,19 +270,14 @@ class SandboxMemory:
             st.resident_pages = len(idx)
             st.scan_s = time.perf_counter() - t0
             self._check_cancel()
-            # The hot set of the phase that just ended: every page that came back since the
-            # last resume, by a fault (touched, read or written: MISSING faults on both) or by
-            # the prefetch (it did not fault because it was already there). Without the
-            # second part the set would flip between two halves from one wait to the next.
-            # Untouched prefetched pages cannot be told apart here (no idle-page tracking in
-            # this kernel): the set is the union of the working sets seen, less prefetched
-            # pages a trim dropped unused in a long tool call. Ageing out pages only the
-            # prefetch kept, by phases, was measured worse: a tool that runs every few phases
-            # lost its pages and paid thousands of faults, each a round trip to this process.
-            # For a copy-on-write clone most of the set is template and zero pages (free).
-            # It is known before encoding: the next resume puts these pages back before the
-            # vCPUs continue, so for a lazy clone the store encodes them for decode speed
-            # (PageStore.encode's hot).
+            # The hot set of the phase that just ended: pages that came back since the last
+            # resume by a fault (read or written) or by the prefetch (without those the set
+            # would flip between two halves from one wait to the next). Untouched prefetched
+            # pages cannot be told apart (no idle-page tracking here): the union of the
+            # working sets seen, less prefetched pages a trim dropped unused. Ageing out by
+            # phases was measured worse (a tool run every few phases paid thousands of
+            # faults). Known before encoding: a lazy clone's store encodes them for decode
+            # speed (PageStore.encode's hot).
             faulted = self.handler.hot_pages(self._block_index).astype(np.int64)
             hot_idx = np.union1d(faulted, self._prefetched_idx)
             if self.cow:
@@ -325,9 +320,10 @@ class SandboxMemory:
             self.sources.assign(np.union1d(stored, unchanged), self._store_src)
             t2 = time.perf_counter()
             try:
+                dropped = np.setdiff1d(idx, enc_raw, assume_unique=True)
                 if self.cow:
                     # Every copy goes but the incompressible ones, which stay resident.
-                    self._discard_copies(np.setdiff1d(idx, enc_raw, assume_unique=True))
+                    self._discard_copies(dropped)
                 else:
                     self._punch(stored)
             except CompressCancelled as cancel:
@@ -336,7 +332,7 @@ class SandboxMemory:
                 self.store.discard(self.name, left)
                 self.sources.assign(left, self._unstored)
                 st.cancelled = True
-            st.mapped_pages = self._settle(free, mapped=self.cow and not st.cancelled)
+            st.mapped_pages = self._settle(free, mapped=self.cow and not st.cancelled, dropped=dropped)
             st.punch_s = time.perf_counter() - t2
             st.total_s = time.perf_counter() - t0
             self.compressed = not st.cancelled
@@ -366,10 +362,10 @@ class SandboxMemory:
         crash_point("after-flush")
         return stored, free
 
-    def _settle(self, free: np.ndarray, *, mapped: bool) -> int:
-        """After the drop: map what is not stored (copy-on-write), then release the free
-        pages' entries and commit. Returns the pages mapped."""
-        n = self._map_unstored() if mapped else 0
+    def _settle(self, free: np.ndarray, *, mapped: bool, dropped: np.ndarray | None = None) -> int:
+        """After the drop: map what is not stored (copy-on-write; ``dropped``: the pages just
+        discarded), then release the free pages' entries and commit. Returns the pages mapped."""
+        n = self._map_unstored(dropped) if mapped else 0
         if len(free):
             # Mapped now (or, cancelled, still resident): their entries can go. They were
             # kept durable through the DISCARD so that a manager killed before the mapping
@@ -476,7 +472,7 @@ class SandboxMemory:
                 drop = np.union1d(same, np.setdiff1d(encoded, enc_raw))
                 self._discard_copies(drop)
                 st.dropped_pages = len(drop)
-                self._settle(free, mapped=len(free) > 0)
+                self._settle(free, mapped=len(free) > 0, dropped=drop)
             except CompressCancelled:
                 # A resume or destroy asked first: nothing was dropped, every page is still
                 # resident; the store forgets what this trim encoded.
@@ -547,17 +543,19 @@ class SandboxMemory:
             with UffdExport(self._uffd_socket, EXPORT_CONNECT_TIMEOUT_S) as export:
                 export.discard_ranges(ranges)
             crash_point("after-discard-batch")
-        # Our own madvise reported itself as REMOVE events: they are not guest discards.
-        self.handler.reset_discarded()
+        self.handler.reset_discarded()    # our own madvise's REMOVE events: not the guest's
 
-    def _map_unstored(self) -> int:
-        """Copy-on-write: map every page that is not mapped and not in the store, from the
-        template's page cache (UFFDIO_CONTINUE) or as the zero page (template holes, pages
-        known zero). They cost the sandbox nothing (page tables aside: 8 bytes a page), and
-        the guest then faults to this process only for pages the store holds. The first
-        compression maps what the guest never touched since the clone started; later ones
-        mostly the pages just discarded that came out TEMPLATE or ZERO."""
-        unmapped = unmapped_pages(self.handle.pid, self.block.hva, self.block.page_count)
+    def _map_unstored(self, dropped: np.ndarray | None = None) -> int:
+        """Copy-on-write: map the pages neither mapped nor stored from the template's page
+        cache (UFFDIO_CONTINUE) or as the zero page (holes, known zero): free for the sandbox
+        (8 bytes of page table), and the guest faults only for stored pages. The first
+        compression walks the pagemap for what was never touched; later ones map only the
+        pages just ``dropped`` (pages QEMU discarded meanwhile are mapped on first touch)."""
+        if dropped is not None and self._mapped_all:
+            unmapped = np.asarray(dropped, dtype=np.int64)
+        else:
+            unmapped = unmapped_pages(self.handle.pid, self.block.hva, self.block.page_count)
+            self._mapped_all = True
         kinds = np.frombuffer(self.sources.kinds, dtype=np.uint8)[unmapped]
         from_template = unmapped[kinds == 0]
         data = self.template.rows(from_template) >= 0
