@@ -178,6 +178,10 @@ class CompressResult(Response):
     cancelled: bool
     stored_bytes: int
     resident_bytes: int | None = None
+    # The wait's CPU budget ran out (AZQ_COMPRESS_CPU_BUDGET_S): ``left_pages`` copies were not
+    # reached and stay resident for the next compression.
+    budget_stopped: bool = False
+    left_pages: int = 0
 
 
 class TrimResult(Response):

@@ -32,6 +32,8 @@ class CompressStats:
     total_s: float = 0.0
     cancelled: bool = False
     unchanged_pages: int = 0   # copies still equal to their stored entries: not encoded again
+    budget_stopped: bool = False   # the wait's CPU budget ran out (daemon/cpubudget.py)
+    left_pages: int = 0        # copies it did not reach: resident as they were
 
 
 @dataclass

@@ -46,6 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from azqemu.daemon.coldrule import ColdRule, CopyHistory
+from azqemu.daemon.cpubudget import CpuBudget
 from azqemu.daemon.memstats import CompressCancelled, CompressStats, ResumeStats, TrimStats, memory_stats
 from azqemu.daemon.ramscan import RamScan
 from azqemu.errors import RestoreError, StoreError
@@ -257,9 +258,8 @@ class SandboxMemory:
 
     # -- compress -------------------------------------------------------------------------
     def compress(self, stop: Callable[[], bool] | None = None) -> CompressStats:
-        """Encode and punch every profitable resident page. The vCPUs must be paused.
-        ``stop``: true when a cancel arrived since the compression was decided (it stops
-        then at its next step, as after ``cancel``)."""
+        """Encode and punch every profitable resident page (vCPUs paused). ``stop``: true when a
+        cancel arrived since the compression was decided (it stops at its next step)."""
         self._cancel.clear()
         self._stop_test = stop
         st = CompressStats()
@@ -285,27 +285,27 @@ class SandboxMemory:
                 # fault yet, they are the whole working set the guest showed.
                 hot_idx = np.union1d(hot_idx, idx)
             t1 = time.perf_counter()
-            # Only what changed is encoded: a copy that still equals its stored entry (a page
-            # the resume put back and the guest did not write since) keeps that entry. One
-            # XXH3-128 per page against the hash its blob recorded: the compression's CPU
-            # follows what the guest wrote, not what it holds (tests/unit/memory/test_store.py
-            # and test_sandboxmem_trim.py check the entries serve the same bytes).
+            # Only what changed is encoded (a copy equal to its entry by XXH3-128 keeps it): the
+            # CPU follows what the guest wrote. Within the wait's CPU budget; the rest stays.
             check_unchanged = self.cow and self.name in self.store.sandboxes()
             kept: list[np.ndarray] = []
+            taken: list[np.ndarray] = []
+            budget = CpuBudget()
 
             def changed() -> Iterator[tuple[np.ndarray, np.ndarray]]:
-                for part, pages in self.scan.chunks(idx):
+                for part, pages in budget.chunks(self.scan.chunks(idx), taken):
                     if check_unchanged:
                         same = self._equal_to_entries(part, pages)
                         kept.append(part[same])
                         part, pages = part[~same], pages[~same]
                     yield part, pages
-            # Copy-on-write: the pages a resume copies back are only the stored ones, a few
-            # thousand; they decode in milliseconds with zstd, so the store keeps them small
-            # rather than fast (LZ4). Lazy clones bring back their whole working set.
+            # Copy-on-write: a resume copies back only stored pages (a few thousand, ms with
+            # zstd): kept small, not fast (LZ4). Lazy clones bring back their working set.
             enc_stored, enc_raw = self._encode(changed(), None if self.cow else hot_idx, st)
             unchanged = np.concatenate(kept) if kept else np.empty(0, dtype=np.int64)
-            st.unchanged_pages = len(unchanged)
+            done = np.concatenate(taken) if taken else np.empty(0, dtype=np.int64)
+            st.unchanged_pages, st.budget_stopped = len(unchanged), budget.exceeded
+            st.left_pages = len(idx) - len(done)
             crash_point("after-encode")
             st.encode_s = time.perf_counter() - t1
             st.stored_pages, st.raw_pages = len(enc_stored), len(enc_raw)
@@ -319,7 +319,7 @@ class SandboxMemory:
             self.sources.assign(np.union1d(stored, unchanged), self._store_src)
             t2 = time.perf_counter()
             try:
-                dropped = np.setdiff1d(idx, enc_raw, assume_unique=True)
+                dropped = np.setdiff1d(done, enc_raw, assume_unique=True)
                 if self.cow:
                     # Every copy goes but the incompressible ones, which stay resident.
                     self._discard_copies(dropped)

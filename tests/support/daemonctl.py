@@ -20,17 +20,24 @@ def start() -> subprocess.Popen[bytes]:
         raise AssertionError(f"{exc}\n{log}") from exc
 
 
-def restart(daemon: dict, crash_at: str | None = None, fail_at: str | None = None) -> None:
-    """Stop the fixture's daemon and start a new one with ``AZQ_CRASH_AT``/``AZQ_FAIL_AT``."""
+def restart(daemon: dict, crash_at: str | None = None, fail_at: str | None = None,
+            env: dict[str, str] | None = None) -> None:
+    """Stop the fixture's daemon and start a new one with ``AZQ_CRASH_AT``/``AZQ_FAIL_AT`` and
+    ``env`` set (for the new one only)."""
     daemonproc.stop(daemon["proc"])
-    for var, value in (("AZQ_CRASH_AT", crash_at), ("AZQ_FAIL_AT", fail_at)):
+    extra = {"AZQ_CRASH_AT": crash_at, "AZQ_FAIL_AT": fail_at, **(env or {})}
+    saved = {var: os.environ.get(var) for var in extra}
+    for var, value in extra.items():
         if value:
             os.environ[var] = value
     try:
         daemon["proc"] = start()
     finally:
-        os.environ.pop("AZQ_CRASH_AT", None)
-        os.environ.pop("AZQ_FAIL_AT", None)
+        for var, old in saved.items():
+            if old is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = old
 
 
 def start_dying(crash_at: str) -> int:
