@@ -274,9 +274,10 @@ class SandboxMemory:
             # resume by a fault (read or written) or by the prefetch (without those the set
             # would flip between two halves from one wait to the next). Untouched prefetched
             # pages cannot be told apart (no idle-page tracking here): the union of the
-            # working sets seen, less prefetched pages a trim dropped unused (ageing out by
-            # phases measured worse). Known before encoding: a lazy clone's store encodes them
-            # for decode speed (PageStore.encode's hot).
+            # working sets seen, less prefetched pages a trim dropped unused. Ageing out by
+            # phases was measured worse (a tool run every few phases paid thousands of
+            # faults). Known before encoding: a lazy clone's store encodes them for decode
+            # speed (PageStore.encode's hot).
             faulted = self.handler.hot_pages(self._block_index).astype(np.int64)
             hot_idx = np.union1d(faulted, self._prefetched_idx)
             if self.cow:
@@ -331,8 +332,7 @@ class SandboxMemory:
                 self.store.discard(self.name, left)
                 self.sources.assign(left, self._unstored)
                 st.cancelled = True
-            st.mapped_pages = self._settle(free, mapped=self.cow and not st.cancelled, dropped=dropped,
-                                           commit=st.cancelled)
+            st.mapped_pages = self._settle(free, mapped=self.cow and not st.cancelled, dropped=dropped)
             st.punch_s = time.perf_counter() - t2
             st.total_s = time.perf_counter() - t0
             self.compressed = not st.cancelled
@@ -362,19 +362,19 @@ class SandboxMemory:
         crash_point("after-flush")
         return stored, free
 
-    def _settle(self, free: np.ndarray, *, mapped: bool, dropped: np.ndarray | None = None,
-                commit: bool = True) -> int:
-        """After the drop: map what is not stored (``dropped``: just discarded), release the free
-        pages' entries, flush if ``commit`` (else the next flush does: the durable generation
-        names more entries meanwhile, never fewer). Returns the pages mapped."""
+    def _settle(self, free: np.ndarray, *, mapped: bool, dropped: np.ndarray | None = None) -> int:
+        """After the drop: map what is not stored (copy-on-write; ``dropped``: the pages just
+        discarded), then release the free pages' entries and commit. Returns the pages mapped."""
         n = self._map_unstored(dropped) if mapped else 0
         if len(free):
-            # Mapped now (or, cancelled, resident): their entries go. Durable through the DISCARD: a
-            # manager killed before the mapping serves them from the store, not the page cache.
+            # Mapped now (or, cancelled, still resident): their entries can go. They were
+            # kept durable through the DISCARD so that a manager killed before the mapping
+            # serves them from the store, not from the template's page cache.
             self.store.discard(self.name, free)
-        try:   # if it fails the durable generation names pages that are resident: never served
-            if commit:
-                self.store.flush()
+        try:
+            # Commits a cancel's discards (nothing to write otherwise). If it fails the
+            # durable generation still names pages that are resident: never served.
+            self.store.flush()
         except (StoreError, OSError) as exc:
             log.warning("%s: store flush after the drop failed: %s", self.name, exc)
         return n
@@ -472,7 +472,7 @@ class SandboxMemory:
                 drop = np.union1d(same, np.setdiff1d(encoded, enc_raw))
                 self._discard_copies(drop)
                 st.dropped_pages = len(drop)
-                self._settle(free, mapped=len(free) > 0, dropped=drop, commit=False)
+                self._settle(free, mapped=len(free) > 0, dropped=drop)
             except CompressCancelled:
                 # A resume or destroy asked first: nothing was dropped, every page is still
                 # resident; the store forgets what this trim encoded.
