@@ -65,6 +65,10 @@ class QgaClient:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             self.sync_id += 1
+            # Until qemu-ga opens its port QEMU need not read the socket: a send may block while
+            # the guest boots. It may, until the deadline (the socket kept _readline's short
+            # timeout, and a send cut off by it would leave half a message in the stream).
+            self.sock.settimeout(max(0.01, deadline - time.monotonic()))
             self.sock.sendall(json.dumps({"execute": "guest-sync", "arguments": {"id": self.sync_id}}).encode()
                               + b"\n")
             reply = self._readline(min(deadline, time.monotonic() + SYNC_INTERVAL_S))
