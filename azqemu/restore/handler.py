@@ -402,16 +402,7 @@ class FaultHandler:
             ready = poller.poll(RETRY_INTERVAL_MS if self._pending else -1)
             if self._stopping:
                 break
-            for fd, _ in ready:
-                if fd == stop_fd:  # retry_failed() wakes us through it too
-                    try:
-                        os.eventfd_read(stop_fd)
-                    except BlockingIOError:
-                        pass
-            if self._retry_requested:
-                self._retry_requested = False
-                self._pending.extend(self._failed)
-                self._failed = []
+            self._woken(ready, (stop_fd,))
             try:
                 nbytes = readv(uffd, iov)
             except BlockingIOError:
@@ -428,13 +419,30 @@ class FaultHandler:
                                           words[w + abi.MSG_WORD_REMOVE_END])
                 else:
                     self._other += 1
-            # Retry after the batch: a REMOVE read above has released EAGAIN'd copies;
-            # what fails again waits RETRY_INTERVAL_MS in the next poll, never spins.
-            if self._pending:
-                pending, self._pending = self._pending, []
-                t0 = clock()
-                for hva in pending:
-                    serve(hva, blocks, t0)
+            self._serve_pending(blocks)
+
+    def _woken(self, ready: list[tuple[int, int]], eventfds: tuple[int, ...]) -> None:
+        """After a poll: drain the eventfds that fired (retry_failed() wakes the loop through
+        the stop fd too) and put the faults retry_failed() asked for back in line."""
+        for fd, _ in ready:
+            if fd in eventfds:
+                try:
+                    os.eventfd_read(fd)
+                except BlockingIOError:
+                    pass
+        if self._retry_requested:
+            self._retry_requested = False
+            self._pending.extend(self._failed)
+            self._failed = []
+
+    def _serve_pending(self, blocks: tuple[_Block, ...]) -> None:
+        # Retry after the batch: a REMOVE read before has released EAGAIN'd copies; what
+        # fails again waits RETRY_INTERVAL_MS in the next poll, never spins.
+        if self._pending:
+            pending, self._pending = self._pending, []
+            t0 = time.perf_counter_ns()
+            for hva in pending:
+                self._serve(hva, blocks, t0)
 
     def _loop_forwarded(self, nl: cfaults.NativeLoop) -> None:
         """The Python side of a native handler: what the C thread forwards (faults it does
@@ -449,16 +457,7 @@ class FaultHandler:
             ready = poller.poll(RETRY_INTERVAL_MS if self._pending else -1)
             if self._stopping:
                 break
-            for fd, _ in ready:
-                if fd in (stop_fd, fwd_fd):
-                    try:
-                        os.eventfd_read(fd)
-                    except BlockingIOError:
-                        pass
-            if self._retry_requested:
-                self._retry_requested = False
-                self._pending.extend(self._failed)
-                self._failed = []
+            self._woken(ready, (stop_fd, fwd_fd))
             t0 = clock()
             blocks = self._blocks
             for kind, a, b in nl.pop():
@@ -466,11 +465,7 @@ class FaultHandler:
                     serve(a, blocks, t0, forwarded=True)
                 elif kind == cfaults.EV_REMOVE:
                     self._on_remove_event(a, b)
-            if self._pending:
-                pending, self._pending = self._pending, []
-                t0 = clock()
-                for hva in pending:
-                    serve(hva, blocks, t0)
+            self._serve_pending(blocks)
 
     def _serve(self, address: int, blocks: tuple[_Block, ...], t0: int, forwarded: bool = False) -> None:
         for b in blocks:
