@@ -84,7 +84,7 @@ class HandlerStats:
 class _Block:
     """Per-block state of the fast path (plain attributes: one lookup each)."""
 
-    __slots__ = ("block", "lo", "hi", "delta", "shift", "source", "fill", "n_sources", "hot", "discarded", "out",
+    __slots__ = ("block", "lo", "hi", "delta", "shift", "source", "fill", "n_sources", "hot", "hot_spare", "discarded", "out",
                  "mapped", "base", "zero_kind")
 
     def __init__(self, block: RamMapping, source: PageSource, page_mv: memoryview) -> None:
@@ -96,7 +96,10 @@ class _Block:
         self.source = source
         self.fill = source.fill
         self.n_sources = -1              # sources the native thread was told about
+        # Two hot maps, alternated by reset_hot and never reallocated: the C thread holds
+        # their addresses, and a fresh map per phase had kept every retired one alive.
         self.hot = bytearray(block.page_count)
+        self.hot_spare = bytearray(block.page_count)
         # Ranges QEMU discarded (first page, end page): REMOVE events are rare, so a list;
         # past DISCARD_RANGES of them, a byte per page (smaller from there on).
         self.discarded: list[tuple[int, int]] | bytearray = []
@@ -307,7 +310,12 @@ class FaultHandler:
 
     def reset_hot(self) -> None:
         for i, b in enumerate(self._blocks):
-            b.hot = bytearray(len(b.hot))  # swap, not clear: the loop may be writing
+            # Swap, not clear: the loop may be writing a mark into the map it just read. That
+            # late mark lands in the retired map, which is cleared here one phase later: at
+            # worst a page is predicted hot once more (the hot set is a prediction, not data).
+            spare = b.hot_spare
+            np.frombuffer(spare, dtype=np.uint8).fill(0)
+            b.hot, b.hot_spare = spare, b.hot
             if self._native is not None:
                 self._native.set_hot(i, b.hot)
 
@@ -329,7 +337,7 @@ class FaultHandler:
         """Memory this handler holds for its sandbox: the hot map (a byte per page), the
         discarded ranges, the service-time ring, the page and message buffers and the C
         thread's state."""
-        per_page = sum(len(b.hot) + (len(b.discarded) if isinstance(b.discarded, bytearray)
+        per_page = sum(2 * len(b.hot) + (len(b.discarded) if isinstance(b.discarded, bytearray)
                                      else 64 * len(b.discarded)) for b in self._blocks)
         c_part = self._native.state_bytes if self._native is not None else 0
         return int(per_page + self._ring.nbytes + len(self._page_map) + len(self._msg_buf) + c_part)

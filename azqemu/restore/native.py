@@ -77,6 +77,7 @@ def _load() -> Any | None:
 LIB: Any = _load()      # None without the library
 MAX_BLOCKS = 8
 POP_BATCH = 64
+HOT_MAPS_PINNED = 4          # the handler alternates two per block; more means a new handler map
 
 
 def available() -> bool:
@@ -146,9 +147,13 @@ class NativeLoop:
         if not self.handle:
             raise MemoryError("azq_fp_new")
         self.fwd_fd = int(LIB.azq_fp_fwd_fd(self.handle))
+        # Addresses taken once: ``ndarray.ctypes`` builds objects in a cycle at every use.
         self._events = np.zeros(3 * POP_BATCH, dtype=np.uint64)
+        self._events_addr = int(self._events.ctypes.data)
         self._counters = np.zeros(len(COUNTERS), dtype=np.uint64)
-        self._hot_kept: list[list[bytearray]] = [[] for _ in range(n_blocks)]
+        self._counters_addr = int(self._counters.ctypes.data)
+        # Each block's hot maps (the handler alternates two) and their exports, pinned once.
+        self._hot_pins: list[dict[int, Any]] = [{} for _ in range(n_blocks)]
         self._pins: list[Any] = []
         self._final_samples = 0
         self._files: dict[int, tuple[TemplateSource, int]] = {}
@@ -161,10 +166,9 @@ class NativeLoop:
         kinds_addr = self._pin(kinds) if kinds is not None else 0
         rc = self._lib.azq_fp_set_block(self.handle, i, lo, hi, delta, shift, kinds_addr or None,
                                         len(kinds) if kinds is not None else 0, base, int(block_action),
-                                        decode_addr or None, view_addr or None, self._pin(hot))
+                                        decode_addr or None, view_addr or None, self._pin_hot(i, hot))
         if rc != 0:
             raise ValueError(f"block {i} out of range")
-        self._hot_kept[i] = [hot]
 
     def describe(self, i: int, block: RamMapping, source: PageSource, *, lo: int, hi: int, delta: int, shift: int,
                  mapped: bool, hot: bytearray, views: StoreViews) -> int:
@@ -198,13 +202,20 @@ class NativeLoop:
         self._lib.azq_fp_set_action(self.handle, i, kind, int(action))
 
     def set_hot(self, i: int, hot: bytearray) -> None:
-        """Swap block ``i``'s hot map; the old ones stay alive (the thread may be writing one)."""
+        """Swap block ``i``'s hot map for another the handler keeps (the thread may still be
+        writing the old one: it stays alive, pinned, as long as this loop)."""
         if not self.handle:
             return
-        self._lib.azq_fp_set_hot(self.handle, i, self._pin(hot))
-        kept = self._hot_kept[i]
-        kept.append(hot)
-        del kept[:-4]
+        self._lib.azq_fp_set_hot(self.handle, i, self._pin_hot(i, hot))
+
+    def _pin_hot(self, i: int, hot: bytearray) -> int:
+        pins = self._hot_pins[i]
+        obj = pins.get(id(hot))     # the pin keeps ``hot`` alive, so its id stays unique
+        if obj is None:
+            if len(pins) >= HOT_MAPS_PINNED:
+                del pins[next(iter(pins))]      # the oldest: retired for several phases
+            obj = pins[id(hot)] = (ctypes.c_char * len(hot)).from_buffer(hot)
+        return ctypes.addressof(obj)
 
     def _pin(self, buf: bytearray) -> int:
         if not len(buf):
@@ -235,7 +246,7 @@ class NativeLoop:
         out: list[tuple[int, int, int]] = []
         ev = self._events
         while True:
-            n = int(self._lib.azq_fp_pop(self.handle, ev.ctypes.data, POP_BATCH))
+            n = int(self._lib.azq_fp_pop(self.handle, self._events_addr, POP_BATCH))
             if n == 0:
                 return out
             flat = ev[:3 * n].tolist()
@@ -257,7 +268,7 @@ class NativeLoop:
     def counters(self) -> dict[str, int]:
         """Cumulative; after ``close`` the last figures."""
         if self.handle:
-            self._lib.azq_fp_counters(self.handle, self._counters.ctypes.data)
+            self._lib.azq_fp_counters(self.handle, self._counters_addr)
         return dict(zip(COUNTERS, (int(c) for c in self._counters)))
 
     def close(self) -> None:

@@ -166,6 +166,38 @@ def test_two_threads_fault_at_once(ram: Ram) -> None:
     assert len(h.hot_pages()) == 0
 
 
+def test_phases_of_hot_marks_keep_the_handler_memory_flat(ram: Ram) -> None:
+    """reset_hot at every phase (each resume) must not leave a map behind: a fresh map per
+    phase, kept alive for the C thread, had grown the manager by a map per sandbox per phase."""
+    import tracemalloc
+    h = FaultHandler(ram.handle, StoreSource(ram.store, "sb"))
+    h.start()
+    tracemalloc.start()
+    try:
+        for phase in range(40):
+            pages = [phase % PAGES, (phase * 7 + 3) % PAGES]
+            ram.save_and_punch(pages)
+            got: dict[int, bytes] = {}
+            ram.reader(pages, got).join(10)
+            assert all(got[i] == pattern(i) for i in pages)
+            deadline = time.monotonic() + 5     # the mark follows the copy that woke the reader
+            while sorted(h.hot_pages()) != sorted(set(pages)) and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert sorted(h.hot_pages()) == sorted(set(pages)), phase
+            h.reset_hot()
+            assert len(h.hot_pages()) == 0
+            if phase == 4:
+                base = tracemalloc.take_snapshot()
+        # What the fault path allocated (this test's own store keeps every page it saved).
+        only = [tracemalloc.Filter(True, "*/azqemu/restore/*")]
+        grown = sum(st.size_diff for st in tracemalloc.take_snapshot().filter_traces(only)
+                    .compare_to(base.filter_traces(only), "filename"))
+    finally:
+        tracemalloc.stop()
+        h.close()
+    assert grown < 4 * PAGES, grown      # a map leaked per phase would be 35 * PAGES bytes
+
+
 def test_never_saved_page_is_served_zero_by_copy(ram: Ram) -> None:
     ram.save_and_punch([1])
     ram.handle.punch(ram.block, 2 * PS, PS)  # punched without being saved: zero by definition
