@@ -206,14 +206,14 @@ def run_policy(c: Client, template: str, wl: Workload, plan: list[list[Step]], p
             run.extra["zram_algorithm"] = lc.algorithm
         progress(f"[{policy}] cloning {n} sandboxes ({pol.clone_mode})")
         t0 = time.monotonic()
-        prefix = f"{BENCH_PREFIX}{_short(policy)}-"
+        prefix = f"{BENCH_PREFIX}{policy_short(policy)}-"
         # Registered before the clone call: an interrupt while the daemon clones leaves
         # sandboxes the reply never named; they are found by their prefix.
-        stack.callback(_destroy_prefixed, c, prefix)
+        stack.callback(destroy_prefixed, c, prefix)
         rows = c.clone(template, count=n, name_prefix=prefix, policy=policy, grace_s=grace_s,
                        sharing_domain="bench")
         names = [r.name for r in rows]
-        stack.callback(_destroy_all, c, names)
+        stack.callback(destroy_all, c, names)
         run.extra["clone_s_total"] = time.monotonic() - t0
         if pol.pressure:
             c.set_policy(names, policy, pressure_budget_bytes=pressure_budget_bytes or 0)
@@ -263,12 +263,12 @@ def compress_cpu_per_wait(c: Client, names: list[str]) -> dict[str, Any]:
             "compress_cpu_s_per_encoded_mib": cpu / (encoded / (1 << 20)) if encoded else None}
 
 
-def _short(policy: str) -> str:
+def policy_short(policy: str) -> str:
     return {"none": "n", "none-cow": "c", "linux": "l", "agentzip": "a", "agentzip-no-prefetch": "anp",
             "agentzip-no-sibling": "ans", "agentzip-pressure": "ap"}.get(policy, policy[:4])
 
 
-def _destroy_prefixed(c: Client, prefix: str) -> int:
+def destroy_prefixed(c: Client, prefix: str) -> int:
     """Destroy every sandbox whose name has this benchmark prefix (what a killed or
     interrupted run left behind); returns how many there were."""
     try:
@@ -276,11 +276,11 @@ def _destroy_prefixed(c: Client, prefix: str) -> int:
     except AzqemuError as exc:
         log.warning("cannot list sandboxes to clean up: %s", exc)
         return 0
-    _destroy_all(c, left)
+    destroy_all(c, left)
     return len(left)
 
 
-def _destroy_all(c: Client, names: list[str]) -> None:
+def destroy_all(c: Client, names: list[str]) -> None:
     for name in names:
         try:
             c.destroy(name)
@@ -370,7 +370,7 @@ def _run_density(wl: Workload, sandboxes: int, policies: list[str], *, seed: int
                  grace_s: float, pressure_budget_bytes: int | None,
                  progress: Callable[[str], None]) -> dict[str, Any]:
     c = Client()
-    left = _destroy_prefixed(c, BENCH_PREFIX)
+    left = destroy_prefixed(c, BENCH_PREFIX)
     if left:
         progress(f"destroyed {left} sandboxes an earlier benchmark run left behind")
     template = ensure_workload_template(c, wl, progress)

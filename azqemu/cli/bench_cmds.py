@@ -207,6 +207,60 @@ def bench_capacity(workload_name: str, fanouts: str, policies: tuple[str, ...], 
         click.echo(f"azq: warning: {w}", err=True)
 
 
+@bench.command("fill")
+@click.option("--workload", "workload_name", default="coding-agent", show_default=True,
+              help="A built-in workload or a workload file.")
+@click.option("--policy", "policies", multiple=True,
+              help="Policy to fill with (repeatable; default: none-cow, linux, agentzip).")
+@click.option("--budget", default="1G", show_default=True,
+              help="The memory cgroup's limit: bytes, a size (4G, 512M) or auto (MemAvailable at start).")
+@click.option("--step", default=2, show_default=True, type=int, help="Sandboxes added per window.")
+@click.option("--max-sandboxes", default=32, show_default=True, type=int)
+@click.option("--window", "window_s", default=30.0, show_default=True, type=float,
+              help="Seconds of tool calls timed after each addition.")
+@click.option("--slowdown", default=1.5, show_default=True, type=float,
+              help="Latency bound: the window's median tool call over the first window's.")
+@click.option("--scale", default="small", show_default=True, help="Workload scale: full or small.")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--grace", "grace_s", default=1.0, show_default=True, type=float)
+@click.option("--capacity", "capacity_file", default=None,
+              help="A capacity sweep's capacity.json: its fit's prediction for this budget, beside the fill.")
+@click.option("--out", "out_dir", default=None, help="Directory for fill.json and fill.md.")
+@json_option
+def bench_fill(workload_name: str, policies: tuple[str, ...], budget: str, step: int, max_sandboxes: int,
+               window_s: float, slowdown: float, scale: str, seed: int, grace_s: float, capacity_file: str | None,
+               out_dir: str | None, as_json: bool) -> None:
+    """Fill a memory cgroup (the manager and every QEMU) with sandboxes until an OOM kill, a
+    failure or the latency bound: how many fit, beside what the capacity fit predicts."""
+    from pathlib import Path
+
+    from azqemu.bench import capacity, fill
+    from azqemu.bench.workload import load
+    from azqemu.errors import ConfigError
+
+    wl = load(workload_name)
+    budget_bytes = capacity.parse_budget(budget) or capacity.mem_available_bytes()
+    cap = None
+    if capacity_file:
+        try:
+            cap = json.loads(Path(capacity_file).read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot read the capacity result {capacity_file}: {exc}") from exc
+    with ensure_daemon():
+        result = fill.run_fill(wl, list(policies) or list(fill.DEFAULT_POLICIES), budget_bytes, step=step,
+                               max_sandboxes=max_sandboxes, window_s=window_s, slowdown=slowdown, seed=seed,
+                               scale=scale, grace_s=grace_s, capacity=cap, progress=_progress)
+    out = Path(out_dir or f"results/fill-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fill.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "fill.md").write_text(fill.table(result) + "\n")
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    else:
+        click.echo(fill.table(result))
+        click.echo(f"written: {out / 'fill.json'}, {out / 'fill.md'}")
+
+
 @bench.command("nightly")
 @click.option("--results", "results_dir", default=None,
               help="Directory of the history and the dated run directories [default: $AZQ_STATE_DIR/nightly].")

@@ -40,7 +40,7 @@
 #define PENDING_MAX 256
 #define RETRY_MS 1
 
-int azq_faultloop_abi(void) { return 1; }
+int azq_faultloop_abi(void) { return 2; }
 
 /* The store's lookup (memory/_storeview.c azq_view_decode_inplace): 0 when out holds the
  * verified page. */
@@ -65,7 +65,7 @@ typedef struct {
     decode_fn decode;
     int file_fd;                   /* A_FILE pages: pread at file_base + offset (a lazy clone's */
     int64_t file_base;             /* template image; holes and beyond the end read as zero) */
-    uint8_t *volatile hot;         /* a byte per page, swapped by Python */
+    uint8_t *volatile hot;         /* a bit per page (LSB first), swapped by Python */
 } fp_block;
 
 typedef struct azq_fp {
@@ -341,8 +341,10 @@ static void serve(azq_fp *fp, uint64_t address, int64_t t0)
         return;
     count(fp, C_NATIVE);
     uint8_t *hot = __atomic_load_n(&b->hot, __ATOMIC_ACQUIRE);
-    if (hot)
-        hot[(page - b->lo) >> b->shift] = 1;
+    if (hot) {
+        uint64_t i = (page - b->lo) >> b->shift;
+        __atomic_fetch_or(&hot[i >> 3], (uint8_t)(1u << (i & 7)), __ATOMIC_RELAXED);
+    }
     azq_fp_record(fp, now_ns() - t0);
 }
 

@@ -96,10 +96,11 @@ class _Block:
         self.source = source
         self.fill = source.fill
         self.n_sources = -1              # sources the native thread was told about
-        # Two hot maps, alternated by reset_hot and never reallocated: the C thread holds
-        # their addresses, and a fresh map per phase had kept every retired one alive.
-        self.hot = bytearray(block.page_count)
-        self.hot_spare = bytearray(block.page_count)
+        # Two hot maps of a bit per page (LSB first), alternated by reset_hot and never
+        # reallocated: the C thread holds their addresses, and a fresh map per phase had
+        # kept every retired one alive.
+        self.hot = bytearray((block.page_count + 7) // 8)
+        self.hot_spare = bytearray(len(self.hot))
         # Ranges QEMU discarded (first page, end page): REMOVE events are rare, so a list;
         # past DISCARD_RANGES of them, a byte per page (smaller from there on).
         self.discarded: list[tuple[int, int]] | bytearray = []
@@ -115,6 +116,13 @@ class _Block:
             self.mapped = source.kinds
             self.base = source.base_offset
             self.zero_kind = next((i for i, src in enumerate(source.sources) if isinstance(src, ZeroSource)), -1)
+
+
+def _mark_hot(b: _Block, page: int) -> None:
+    # Not atomic against the C thread's marks in the same byte (it serves the rest of the
+    # block meanwhile): a mark lost so is a page not prefetched, faulted in at first touch.
+    i = (page - b.lo) >> b.shift
+    b.hot[i >> 3] |= 1 << (i & 7)
 
 
 def _mark_discarded(b: _Block, first: int, end: int) -> None:
@@ -305,8 +313,9 @@ class FaultHandler:
         The handler thread may mark pages while this runs (QEMU's own threads can fault
         with the vCPUs paused): work on a snapshot, or np.flatnonzero sees the count change.
         """
-        snapshot = bytes(self._blocks[block_index].hot)
-        return np.flatnonzero(np.frombuffer(snapshot, dtype=np.uint8))
+        b = self._blocks[block_index]
+        bits = np.unpackbits(np.frombuffer(bytes(b.hot), dtype=np.uint8), bitorder="little")
+        return np.flatnonzero(bits[:b.block.page_count])
 
     def reset_hot(self) -> None:
         for i, b in enumerate(self._blocks):
@@ -490,7 +499,7 @@ class FaultHandler:
         page_size = 1 << shift
         if b.mapped is not None and (k := b.mapped[(page + b.delta - b.base) >> shift]) in (0, b.zero_kind):
             if self._map_from_file(page, page_size, zero=k != 0):
-                b.hot[(page - b.lo) >> shift] = 1
+                _mark_hot(b, page)
                 self._record(t0)
             return
         try:
@@ -514,7 +523,7 @@ class FaultHandler:
                 return
         else:
             self._served += 1
-        b.hot[(page - b.lo) >> shift] = 1
+        _mark_hot(b, page)
         self._record(t0)
 
     def _map_from_file(self, page: int, page_size: int, zero: bool = False) -> bool:

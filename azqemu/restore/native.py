@@ -29,7 +29,7 @@ from azqemu.restore.source import (
     ZeroSource,
 )
 
-ABI = 1
+ABI = 2
 _V, _U64, _I64, _I = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64, ctypes.c_int
 EV_FAULT, EV_REMOVE = 1, 2
 # Counter order of azq_fp_counters (C_* in _faultloop.c).
