@@ -48,6 +48,7 @@ from azqemu.restore import native as cfaults
 from azqemu.restore import uffd_abi as abi
 from azqemu.restore.errors import UffdIoctlError
 from azqemu.restore.export import RamMapping, UffdHandle
+from azqemu.restore.hotmap import HotMaps
 from azqemu.restore.source import CompositeSource, MappedSource, PageSource, ZeroSource
 
 log = logging.getLogger(__name__)
@@ -84,7 +85,7 @@ class HandlerStats:
 class _Block:
     """Per-block state of the fast path (plain attributes: one lookup each)."""
 
-    __slots__ = ("block", "lo", "hi", "delta", "shift", "source", "fill", "n_sources", "hot", "hot_spare", "discarded", "out",
+    __slots__ = ("block", "lo", "hi", "delta", "shift", "source", "fill", "n_sources", "hot", "discarded", "out",
                  "mapped", "base", "zero_kind")
 
     def __init__(self, block: RamMapping, source: PageSource, page_mv: memoryview) -> None:
@@ -96,11 +97,7 @@ class _Block:
         self.source = source
         self.fill = source.fill
         self.n_sources = -1              # sources the native thread was told about
-        # Two hot maps of a bit per page (LSB first), alternated by reset_hot and never
-        # reallocated: the C thread holds their addresses, and a fresh map per phase had
-        # kept every retired one alive.
-        self.hot = bytearray((block.page_count + 7) // 8)
-        self.hot_spare = bytearray(len(self.hot))
+        self.hot = HotMaps(block.page_count)
         # Ranges QEMU discarded (first page, end page): REMOVE events are rare, so a list;
         # past DISCARD_RANGES of them, a byte per page (smaller from there on).
         self.discarded: list[tuple[int, int]] | bytearray = []
@@ -116,13 +113,6 @@ class _Block:
             self.mapped = source.kinds
             self.base = source.base_offset
             self.zero_kind = next((i for i, src in enumerate(source.sources) if isinstance(src, ZeroSource)), -1)
-
-
-def _mark_hot(b: _Block, page: int) -> None:
-    # Not atomic against the C thread's marks in the same byte (it serves the rest of the
-    # block meanwhile): a mark lost so is a page not prefetched, faulted in at first touch.
-    i = (page - b.lo) >> b.shift
-    b.hot[i >> 3] |= 1 << (i & 7)
 
 
 def _mark_discarded(b: _Block, first: int, end: int) -> None:
@@ -223,7 +213,7 @@ class FaultHandler:
         """Tell the C thread how each source of block ``i`` is answered."""
         assert self._native is not None
         b.n_sources = self._native.describe(i, b.block, b.source, lo=b.lo, hi=b.hi, delta=b.delta, shift=b.shift,
-                                            mapped=b.mapped is not None, hot=b.hot, views=self._views)
+                                            mapped=b.mapped is not None, hot=b.hot.current, views=self._views)
 
     def _native_refresh(self, b: _Block) -> None:
         """A forwarded fault: if the block's composite source gained sources since the C
@@ -313,20 +303,13 @@ class FaultHandler:
         The handler thread may mark pages while this runs (QEMU's own threads can fault
         with the vCPUs paused): work on a snapshot, or np.flatnonzero sees the count change.
         """
-        b = self._blocks[block_index]
-        bits = np.unpackbits(np.frombuffer(bytes(b.hot), dtype=np.uint8), bitorder="little")
-        return np.flatnonzero(bits[:b.block.page_count])
+        return self._blocks[block_index].hot.indices()
 
     def reset_hot(self) -> None:
         for i, b in enumerate(self._blocks):
-            # Swap, not clear: the loop may be writing a mark into the map it just read. That
-            # late mark lands in the retired map, which is cleared here one phase later: at
-            # worst a page is predicted hot once more (the hot set is a prediction, not data).
-            spare = b.hot_spare
-            np.frombuffer(spare, dtype=np.uint8).fill(0)
-            b.hot, b.hot_spare = spare, b.hot
+            current = b.hot.swap()      # swap, not clear: the loop may be writing a mark
             if self._native is not None:
-                self._native.set_hot(i, b.hot)
+                self._native.set_hot(i, current)
 
     def discarded_pages(self, block_index: int = 0) -> np.ndarray:
         """Pages QEMU discarded (UFFD_EVENT_REMOVE) since the last reset."""
@@ -343,10 +326,10 @@ class FaultHandler:
             b.discarded = []
 
     def state_bytes(self) -> int:
-        """Memory this handler holds for its sandbox: the hot map (a byte per page), the
+        """Memory this handler holds for its sandbox: the hot maps (a bit per page), the
         discarded ranges, the service-time ring, the page and message buffers and the C
         thread's state."""
-        per_page = sum(2 * len(b.hot) + (len(b.discarded) if isinstance(b.discarded, bytearray)
+        per_page = sum(b.hot.nbytes + (len(b.discarded) if isinstance(b.discarded, bytearray)
                                      else 64 * len(b.discarded)) for b in self._blocks)
         c_part = self._native.state_bytes if self._native is not None else 0
         return int(per_page + self._ring.nbytes + len(self._page_map) + len(self._msg_buf) + c_part)
@@ -499,7 +482,7 @@ class FaultHandler:
         page_size = 1 << shift
         if b.mapped is not None and (k := b.mapped[(page + b.delta - b.base) >> shift]) in (0, b.zero_kind):
             if self._map_from_file(page, page_size, zero=k != 0):
-                _mark_hot(b, page)
+                b.hot.mark((page - b.lo) >> shift)
                 self._record(t0)
             return
         try:
@@ -523,7 +506,7 @@ class FaultHandler:
                 return
         else:
             self._served += 1
-        _mark_hot(b, page)
+        b.hot.mark((page - b.lo) >> shift)
         self._record(t0)
 
     def _map_from_file(self, page: int, page_size: int, zero: bool = False) -> bool:
