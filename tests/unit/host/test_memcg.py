@@ -41,6 +41,15 @@ def _hog(mib: int) -> subprocess.Popen[str]:
                             stdout=subprocess.PIPE, text=True)
 
 
+def _go(p: subprocess.Popen[str], wait_held: bool = True) -> None:
+    """Tell the child to allocate; wait until it holds the memory."""
+    assert p.stdin and p.stdout
+    p.stdin.write("go\n")
+    p.stdin.flush()
+    if wait_held:
+        assert p.stdout.readline().strip() == "held"
+
+
 def _origin(pid: int, version: int) -> str:
     return memcg._own_cgroup(pid, version)
 
@@ -54,10 +63,7 @@ def test_usage_is_charged_after_the_move_and_the_process_goes_back() -> None:
             cg.add(p.pid)
             assert cg.pids() == [p.pid]
             assert _origin(p.pid, cg.version) == "/" + cg.path.name
-            assert p.stdin and p.stdout
-            p.stdin.write("go\n")
-            p.stdin.flush()
-            assert p.stdout.readline().strip() == "held"
+            _go(p)
             assert cg.usage_bytes() >= 32 * MIB
             assert cg.oom_kills() == 0
         finally:
@@ -76,9 +82,7 @@ def test_a_process_over_the_limit_is_oom_killed_and_counted() -> None:
     try:
         with MemoryCgroup(f"azq-test-oom-{os.getpid()}", 64 * MIB) as cg:
             cg.add(p.pid)
-            assert p.stdin
-            p.stdin.write("go\n")
-            p.stdin.flush()
+            _go(p, wait_held=False)
             assert p.wait(60) == -9
             deadline = time.monotonic() + 5
             while cg.oom_kills() == 0 and time.monotonic() < deadline:
@@ -99,10 +103,7 @@ def test_a_limit_below_what_cannot_be_reclaimed_is_refused_on_v1() -> None:
             if cg.version != 1:
                 pytest.skip("v2 takes any limit (and reclaims or OOM-kills)")
             cg.add(p.pid)
-            assert p.stdin and p.stdout
-            p.stdin.write("go\n")
-            p.stdin.flush()
-            assert p.stdout.readline().strip() == "held"
+            _go(p)
             assert cg.set_limit(16 * MIB) is False
             assert cg.limit_bytes == 512 * MIB and p.poll() is None
             assert cg.set_limit(1024 * MIB) is True
