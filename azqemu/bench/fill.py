@@ -44,6 +44,7 @@ from azqemu.bench.density import (
     ensure_workload_template,
     policy_short,
 )
+from azqemu.bench.hostmem import latency_summary
 from azqemu.bench.workload import Step, Workload
 from azqemu.client import Client
 from azqemu.errors import AzqemuError, ConfigError, HostError
@@ -221,18 +222,15 @@ def fill_policy(c: Client, template: str, wl: Workload, policy: str, budget_byte
                                      name=f"azq-fill-{i}")
                 t.start()
                 players.append(t)
-            point = _window(cg, calls, qemu_pids, len(names), window_s, budget_bytes)
-            reason = window_verdict(point.pop("latencies"), base_median, slowdown, failed=point["failed_steps"],
-                                    oom_kills=point["oom_kills"], died=point.pop("died"),
-                                    over_budget=point.pop("over_budget"))
-            fp = FillPoint(passed=reason is None, stop_reason=reason, **point)
+            fp = _window(cg, calls, qemu_pids, window_s, budget_bytes, base_median, slowdown)
             points.append(fp)
             if base_median is None:
                 base_median = fp.tool_latency_median_s
             progress(f"[{policy}] {len(names)} sandboxes: usage {fp.usage_bytes_peak / 2**20:.0f} MiB peak, "
-                     f"median tool call {fp.tool_latency_median_s or 0:.2f} s" + (f": {reason}" if reason else ""))
-            if reason:
-                stop_reason = reason
+                     f"median tool call {fp.tool_latency_median_s or 0:.2f} s"
+                     + (f": {fp.stop_reason}" if fp.stop_reason else ""))
+            if fp.stop_reason:
+                stop_reason = fp.stop_reason
                 break
         cg.lift_limit()
         stop.set()
@@ -242,10 +240,10 @@ def fill_policy(c: Client, template: str, wl: Workload, policy: str, budget_byte
             "points": [asdict(p) for p in points]}
 
 
-def _window(cg: MemoryCgroup, calls: _Calls, pids: list[int], sandboxes: int, window_s: float,
-            budget_bytes: int) -> dict[str, Any]:
-    """Sample the cgroup for ``window_s`` (stopping early on an OOM kill or a dead QEMU);
-    the tool calls that ended meanwhile."""
+def _window(cg: MemoryCgroup, calls: _Calls, pids: list[int], window_s: float, budget_bytes: int,
+            base_median_s: float | None, slowdown: float) -> FillPoint:
+    """Sample the cgroup for ``window_s`` (stopping early on an OOM kill or a dead QEMU) and
+    judge the tool calls that ended meanwhile."""
     t0 = time.monotonic()
     kills0 = cg.oom_kills()
     usage, zram = [], []
@@ -264,14 +262,15 @@ def _window(cg: MemoryCgroup, calls: _Calls, pids: list[int], sandboxes: int, wi
         time.sleep(SAMPLE_S)
     done = calls.since(t0)
     lat = [r[1] for r in done if r[2]]
-    q = sorted(lat)
-    return {"sandboxes": sandboxes, "usage_bytes_avg": float(statistics.fmean(usage)) if usage else 0.0,
-            "usage_bytes_peak": float(max(usage)) if usage else 0.0,
-            "zram_bytes_avg": float(statistics.fmean(zram)) if zram else 0.0, "tool_calls": len(done),
-            "tool_latency_median_s": statistics.median(lat) if lat else None,
-            "tool_latency_p95_s": q[min(len(q) - 1, int(0.95 * len(q)))] if q else None,
-            "failed_steps": sum(1 for r in done if not r[2]), "oom_kills": cg.oom_kills() - kills0,
-            "latencies": lat, "died": died, "over_budget": over}
+    failed, kills = sum(1 for r in done if not r[2]), cg.oom_kills() - kills0
+    summary = latency_summary(lat) if lat else {"median": None, "p95": None}
+    reason = window_verdict(lat, base_median_s, slowdown, failed=failed, oom_kills=kills, died=died,
+                            over_budget=over)
+    return FillPoint(sandboxes=len(pids), usage_bytes_avg=float(statistics.fmean(usage)) if usage else 0.0,
+                     usage_bytes_peak=float(max(usage)) if usage else 0.0,
+                     zram_bytes_avg=float(statistics.fmean(zram)) if zram else 0.0, tool_calls=len(done),
+                     tool_latency_median_s=summary["median"], tool_latency_p95_s=summary["p95"],
+                     failed_steps=failed, oom_kills=kills, passed=reason is None, stop_reason=reason)
 
 
 def predicted(capacity: dict[str, Any] | None, policy: str, budget_bytes: int) -> int | None:

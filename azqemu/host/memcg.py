@@ -109,13 +109,6 @@ class MemoryCgroup:
     def usage_bytes(self) -> int:
         return int((self.path / ("memory.current" if self.version == 2 else "memory.usage_in_bytes")).read_text())
 
-    def peak_bytes(self) -> int | None:
-        name = "memory.peak" if self.version == 2 else "memory.max_usage_in_bytes"
-        try:
-            return int((self.path / name).read_text())
-        except (OSError, ValueError):
-            return None         # memory.peak is new in 5.19
-
     def oom_kills(self) -> int:
         """Processes the kernel's OOM killer killed in this cgroup (v2: memory.events;
         v1: memory.oom_control's oom_kill, or the limit's fail count as a sign)."""
