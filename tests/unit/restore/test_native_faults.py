@@ -187,6 +187,8 @@ def test_a_lazy_clones_template_pages_are_read_by_the_c_thread(world, tmp_path) 
         h.start()
         try:
             got = _read_all(ram, list(range(PAGES)))
+            # The C thread counts a fault after its copy woke the reader: wait for the count.
+            _wait_for(lambda: h.native_counters()["native"] >= PAGES)
             c = h.native_counters()
         finally:
             h.close()
