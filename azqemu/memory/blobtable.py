@@ -171,8 +171,7 @@ class BlobTable:
             d.dup_keys, d.dup_ids = keys[order], live[order].astype(np.uint32)
             d.dup_dirty, d.dup_pending, d.dup_stale = False, [], 0
         elif d.dup_pending:
-            # One long sorted run and a few short ones: the stable sort (timsort) merges them
-            # in about linear time, where a full sort of the domain's keys is n log n.
+            # Sorted runs: the stable sort (timsort) merges them in linear time.
             keys = np.concatenate([d.dup_keys] + [k for k, _ in d.dup_pending])
             ids = np.concatenate([d.dup_ids] + [i for _, i in d.dup_pending])
             order = np.argsort(keys, kind="stable")
