@@ -326,7 +326,7 @@ class PageStore(StoreWriter):
             table.incref(nb.ref[nb.reftype == _REFTYPE_BLOB])
             if nb.has_fp.any():
                 table.add_sim(d, nb.fps[nb.has_fp], new_ids[nb.has_fp])
-            table.add_dups(d, nb.key, new_ids)
+            d.dup_dirty = True
         kind = plan.kind
         stored = kind != int(Kind.RAW)
         entry_ref = np.zeros(len(kind), dtype=np.int64)
