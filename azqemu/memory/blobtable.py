@@ -7,9 +7,16 @@ sharing domain and the indices are per domain, so a page of domain A can never b
 DUP target or SDELTA base by domain B. Template pages are outside this table: any domain may
 reference them.
 
-Blob ids of freed blobs are quarantined until the next ``reclaim()`` (called at the start of an
-encode, under the encode lock) removes them from the similarity indices; only then can an id be
-reused, so a stale index entry never points at a different page.
+Blob ids of freed blobs are quarantined until a ``reclaim()`` (tried at the start of an encode,
+under the encode lock) removes them from the similarity indices; only then can an id be reused,
+so a stale index entry never points at a different page. The purge reads every index, so it
+runs only once the quarantine holds an eighth of the indices' entries (amortised: a store whose
+pages churn does not re-read its indices at every encode).
+
+The DUP index is kept sorted and grows by merging each commit's new blobs into it; a freed blob
+stays in it until a quarter of its entries are stale, then the index is rebuilt.
+Every hit is checked against the table (live, same domain, same key), so a stale entry is never
+returned.
 """
 
 from __future__ import annotations
@@ -31,6 +38,10 @@ DUP_INDEX_ENTRY_BYTES = 8 + 4        # u64 key + u32 blob id
 BLOB_SIM_SLOTS = (0, 2)
 MAX_BLOBS = (1 << 32) - 2
 MAX_DOMAINS = (1 << 16) - 1
+# Below these, the DUP index is not rebuilt and the quarantine not purged: either would cost
+# more than the stale entries do (they are only skipped at lookup).
+DUP_REBUILD_MIN_STALE = 4096
+RECLAIM_MIN_IDS = 4096
 
 
 @dataclass
@@ -41,7 +52,9 @@ class DomainState:
     sandboxes: set[str] = field(default_factory=set)
     dup_keys: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
     dup_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint32))
-    dup_dirty: bool = True
+    dup_dirty: bool = True               # rebuild the DUP index from the table at next lookup
+    dup_pending: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # new (keys, ids)
+    dup_stale: int = 0                   # entries of dup_keys whose blob died since the build
     sim: SimilarityIndex = field(default_factory=SimilarityIndex.empty)
     sim_pending: list[SimilarityIndex] = field(default_factory=list)
 
@@ -50,8 +63,10 @@ class BlobTable:
     def __init__(self, rows: np.ndarray | None = None, n: int = 0) -> None:
         self.rows = rows if rows is not None else np.zeros(1024, dtype=BLOB_DTYPE)
         self.n = n                         # high-water mark: ids < n were allocated once
-        self.free: list[int] = []          # reusable ids
-        self.quarantine: list[int] = []    # freed, still possibly in a similarity index
+        # Id lists as u32 arrays (4 bytes an id, not a Python int's 36): the quarantine holds
+        # up to an eighth of the similarity entries between purges.
+        self.free = np.zeros(0, np.uint32)          # reusable ids
+        self.quarantine = np.zeros(0, np.uint32)    # freed, still possibly in a similarity index
         self.domains: dict[str, DomainState] = {}
         self.domain_by_id: dict[int, DomainState] = {}
         # Called (under the store's lock) when ``rows`` or ``n`` changes: the native lookup
@@ -75,7 +90,9 @@ class BlobTable:
     # -- allocation ---------------------------------------------------------------------
     def alloc(self, k: int) -> np.ndarray:
         take = min(k, len(self.free))
-        ids = [self.free.pop() for _ in range(take)]
+        keep = len(self.free) - take
+        reused = self.free[keep:].astype(np.int64)
+        self.free = self.free[:keep]
         extra = k - take
         if extra:
             if self.n + extra > MAX_BLOBS:
@@ -85,11 +102,12 @@ class BlobTable:
                 grown = np.zeros(max(need, 2 * len(self.rows)), dtype=BLOB_DTYPE)
                 grown[:self.n] = self.rows[:self.n]
                 self.rows = grown
-            ids.extend(range(self.n, need))
+            first = self.n
             self.n = need
             if self.on_change is not None:
                 self.on_change(self)
-        return np.array(ids, dtype=np.int64)
+            return np.concatenate([reused, np.arange(first, need, dtype=np.int64)])
+        return reused
 
     def live_mask(self) -> np.ndarray:
         return self.rows["refcount"][:self.n] > 0
@@ -99,11 +117,11 @@ class BlobTable:
         if len(ids):
             np.add.at(self.rows["refcount"], np.asarray(ids, dtype=np.int64), 1)
 
-    def decref(self, ids: np.ndarray) -> list[int]:
+    def decref(self, ids: np.ndarray) -> np.ndarray:
         """Drop one reference per id (repeats allowed); returns the ids freed (cascading to
         SDELTA bases). The caller releases their arena bytes before they are reused."""
         ids = np.asarray(ids, dtype=np.int64)
-        freed: list[int] = []
+        freed: list[np.ndarray] = []
         while len(ids):
             rc = self.rows["refcount"]
             uniq, cnt = np.unique(ids, return_counts=True)
@@ -111,45 +129,74 @@ class BlobTable:
                 raise AssertionError("blob reference count underflow")
             rc[uniq] -= cnt.astype(np.uint32)
             dead = uniq[rc[uniq] == 0]
-            freed.extend(int(b) for b in dead)
-            for b in dead:
-                self.domain_by_id[int(self.rows["domain"][b])].dup_dirty = True
+            freed.append(dead)
+            doms, per = np.unique(self.rows["domain"][dead], return_counts=True)
+            for did, cnt in zip(doms.tolist(), per.tolist()):
+                self.domain_by_id[did].dup_stale += cnt
             # A freed SDELTA blob releases its base.
             base = self.rows["reftype"][dead] == 2
             ids = self.rows["ref"][dead[base]].astype(np.int64)
-        return freed
+        return np.concatenate(freed) if freed else np.zeros(0, np.int64)
 
-    def retire(self, freed: list[int]) -> None:
-        for b in freed:
-            self.rows[b] = np.zeros((), dtype=BLOB_DTYPE)
-        self.quarantine.extend(freed)
+    def retire(self, freed: np.ndarray) -> None:
+        freed = np.asarray(freed, dtype=np.int64)
+        if len(freed):
+            self.rows[freed] = np.zeros((), dtype=BLOB_DTYPE)
+            self.quarantine = np.concatenate([self.quarantine, freed.astype(np.uint32)])
 
-    def reclaim(self) -> None:
-        """Purge quarantined ids from the similarity indices and make them reusable."""
-        if not self.quarantine:
+    def reclaim(self, *, force: bool = False) -> None:
+        """Purge quarantined ids from the similarity indices and make them reusable: once the
+        quarantine holds an eighth of the indices' entries (or ``force``)."""
+        if not len(self.quarantine):
             return
-        dead = np.array(self.quarantine, dtype=np.int64)
+        if not force:
+            entries = sum(len(d.sim) + sum(len(p) for p in d.sim_pending) for d in self.domains.values())
+            if len(self.quarantine) < max(RECLAIM_MIN_IDS, entries // 8):
+                return
+        dead = self.quarantine.astype(np.int64)
         for d in self.domains.values():
             self._merge_sim(d)
             if len(d.sim):
                 keep = ~np.isin(d.sim.sources, dead)
                 if not keep.all():
                     d.sim = SimilarityIndex(d.sim.keys[keep], d.sim.sources[keep])
-        self.free.extend(self.quarantine)
-        self.quarantine = []
+        self.free = np.concatenate([self.free, self.quarantine])
+        self.quarantine = np.zeros(0, np.uint32)
 
     # -- per-domain indices ------------------------------------------------------------------
-    def find_dups(self, d: DomainState, key: np.ndarray) -> np.ndarray:
-        if d.dup_dirty:
+    def add_dups(self, d: DomainState, keys: np.ndarray, ids: np.ndarray) -> None:
+        """New blobs of domain ``d``: merged into its DUP index at the next lookup."""
+        if len(ids) and not d.dup_dirty:
+            d.dup_pending.append((np.asarray(keys, dtype=np.uint64), np.asarray(ids, dtype=np.uint32)))
+
+    def _dup_index(self, d: DomainState) -> None:
+        if d.dup_dirty or d.dup_stale > max(DUP_REBUILD_MIN_STALE, len(d.dup_keys) // 4):
             live = np.flatnonzero(self.live_mask() & (self.rows["domain"][:self.n] == d.did))
             keys = self.rows["key"][live]
             order = np.argsort(keys, kind="stable")
             d.dup_keys, d.dup_ids = keys[order], live[order].astype(np.uint32)
-            d.dup_dirty = False
-        if len(d.dup_keys) == 0:
+            d.dup_dirty, d.dup_pending, d.dup_stale = False, [], 0
+        elif d.dup_pending:
+            # Sorted runs: the stable sort (timsort) merges them in linear time.
+            keys = np.concatenate([d.dup_keys] + [k for k, _ in d.dup_pending])
+            ids = np.concatenate([d.dup_ids] + [i for _, i in d.dup_pending])
+            order = np.argsort(keys, kind="stable")
+            d.dup_keys, d.dup_ids, d.dup_pending = keys[order], ids[order], []
+
+    def find_dups(self, d: DomainState, key: np.ndarray) -> np.ndarray:
+        """The blob of domain ``d`` whose content hash is ``key`` (the newest one), or -1."""
+        self._dup_index(d)
+        key = np.asarray(key, dtype=np.uint64)
+        if len(d.dup_keys) == 0 or len(key) == 0:
             return np.full(len(key), -1, dtype=np.int64)
-        pos = np.minimum(np.searchsorted(d.dup_keys, key), len(d.dup_keys) - 1)
-        return np.where(d.dup_keys[pos] == key, d.dup_ids[pos].astype(np.int64), -1)
+        # The rightmost equal key is the newest entry: the likeliest to be live.
+        pos = np.maximum(np.searchsorted(d.dup_keys, key, side="right") - 1, 0)
+        bid = d.dup_ids[pos].astype(np.int64)
+        rows = self.rows
+        ok = (d.dup_keys[pos] == key) & (bid < self.n)
+        b = bid[ok]
+        ok[ok] = (rows["refcount"][b] > 0) & (rows["domain"][b] == d.did) & (rows["key"][b] == key[ok])
+        return np.where(ok, bid, -1)
 
     def add_sim(self, d: DomainState, fps: np.ndarray, ids: np.ndarray) -> None:
         if len(ids):

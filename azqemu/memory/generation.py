@@ -107,8 +107,8 @@ class GenerationSnapshot:
     # Per domain (in did order): its similarity index and the parts not merged into it yet;
     # merged, and purged of ``dead``, outside the lock (``_binary``).
     sims: list[tuple[SimilarityIndex, list[SimilarityIndex]]]
-    dead: list[int]                                   # ids freed but still in a similarity index
-    free: list[int]                                   # sorted outside the lock into meta["free"]
+    dead: np.ndarray                                  # ids freed but still in a similarity index
+    free: np.ndarray                                  # sorted outside the lock into meta["free"]
     # (record, file name, index, RAW pages) of each sandbox whose index file is written anew.
     indices: list[tuple[StoredSandbox, str, SandboxIndex, np.ndarray]]
     named: set[str]                                   # every index file the generation names
@@ -174,7 +174,7 @@ def snapshot_generation(uuid: bytes, generation: int, table: BlobTable, arenas: 
     fds = arenas.begin_flush()          # the last step that can fail
     taken = set(dirty)
     dirty.clear()
-    return GenerationSnapshot(generation, meta, rows, sims, list(table.quarantine), list(table.free), indices,
+    return GenerationSnapshot(generation, meta, rows, sims, table.quarantine.copy(), table.free.copy(), indices,
                               set(files.values()), fds, taken)
 
 
@@ -183,7 +183,7 @@ def _binary(snap: GenerationSnapshot) -> list[bytes | memoryview]:
     similarity index merged (BlobTable.sim_index's order) and purged of the ids freed since
     the last reclaim (BlobTable.reclaim), which the saved free list holds."""
     binary: list[bytes | memoryview] = [snap.rows]
-    dead = np.array(snap.dead, dtype=np.int64)
+    dead = snap.dead.astype(np.int64)
     for dm, (sim, pending) in zip(snap.meta["domains"], snap.sims):
         keys, src = sim.keys, sim.sources.astype(np.uint32)
         if pending:
@@ -197,7 +197,7 @@ def _binary(snap: GenerationSnapshot) -> list[bytes | memoryview]:
         dm["sim_entries"] = len(keys)
         binary.append(np.ascontiguousarray(keys, dtype="<u8").data)
         binary.append(np.ascontiguousarray(src, dtype="<u4").data)
-    snap.meta["free"] = sorted(snap.free + snap.dead)
+    snap.meta["free"] = np.sort(np.concatenate([snap.free, snap.dead])).tolist()
     return binary
 
 
@@ -344,20 +344,21 @@ def _load_checked(root: Path, path: Path, arena_bytes: int,
             if current not in arena_set.arenas:
                 raise bad(str(path), "current arena missing")
             arena_set.current = arena_set.arenas[current]
-        table.free = [int(b) for b in meta.get("free", []) if 0 <= int(b) < n_blobs]
+        free = np.array(meta.get("free", []), dtype=np.int64)
+        table.free = free[(free >= 0) & (free < n_blobs)].astype(np.uint32)
         records, quarantined = _load_sandboxes(root, uuid, table, sandboxes)
-        orphans = _release_orphans(table, records) if quarantined else []
+        orphans = _release_orphans(table, records) if quarantined else np.zeros(0, np.int64)
         validate_generation(path, table, arena_set, records)
     except BaseException:
         arena_set.close()
         raise
     # This generation is the durable one; everything else of the store's files goes.
     arena_set.commit()
-    if orphans:
+    if len(orphans):
         # Blobs only a quarantined sandbox held: named by the generation on disk, so their
         # space waits for the next commit like any other dead blob's.
         rows = table.rows
-        b = np.asarray(orphans, dtype=np.int64)
+        b = orphans
         for aid in np.unique(rows["arena"][b]).tolist():
             sel = b[rows["arena"][b] == aid]
             arena_set.pending_release.append((int(aid), rows["offset"][sel].astype(np.int64),
@@ -442,7 +443,7 @@ def _sandbox_problem(sb: StoredSandbox, table: BlobTable) -> str | None:
     return None
 
 
-def _release_orphans(table: BlobTable, records: dict[str, StoredSandbox]) -> list[int]:
+def _release_orphans(table: BlobTable, records: dict[str, StoredSandbox]) -> np.ndarray:
     """Reference counts recomputed without the quarantined sandboxes: returns the blobs now
     held by nobody (their SDELTA bases released in turn); counts of the others are set."""
     n = table.n
@@ -460,7 +461,7 @@ def _release_orphans(table: BlobTable, records: dict[str, StoredSandbox]) -> lis
         live = now
     orphans = np.flatnonzero((rows["refcount"] > 0) & ~live)
     rows["refcount"][:] = np.where(live, count, 0).astype(np.uint32)
-    return [int(b) for b in orphans]
+    return orphans
 
 
 def _move_aside(root: Path, fname: str) -> None:

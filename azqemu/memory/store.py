@@ -326,7 +326,7 @@ class PageStore(StoreWriter):
             table.incref(nb.ref[nb.reftype == _REFTYPE_BLOB])
             if nb.has_fp.any():
                 table.add_sim(d, nb.fps[nb.has_fp], new_ids[nb.has_fp])
-            d.dup_dirty = True
+            table.add_dups(d, nb.key, new_ids)
         kind = plan.kind
         stored = kind != int(Kind.RAW)
         entry_ref = np.zeros(len(kind), dtype=np.int64)
@@ -380,10 +380,9 @@ class PageStore(StoreWriter):
         self._changed = True
         m = ~np.isin(kind, (_KIND_ZERO, _KIND_TEMPLATE)) & ((flags & FLAG_REF_TEMPLATE) == 0)
         freed = self._table.decref(ref[m].astype(np.int64))
-        if freed:
+        if len(freed):
             rows = self._table.rows
-            b = np.asarray(freed, dtype=np.int64)
-            self._arenas.release_many(rows["arena"][b], rows["offset"][b], rows["length"][b])
+            self._arenas.release_many(rows["arena"][freed], rows["offset"][freed], rows["length"][freed])
             self._table.retire(freed)
 
     # ------------------------------------------------------------------ queries
