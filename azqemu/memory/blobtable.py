@@ -163,6 +163,31 @@ class BlobTable:
         self.free = np.concatenate([self.free, self.quarantine])
         self.quarantine = np.zeros(0, np.uint32)
 
+    def forget_domain(self, d: DomainState) -> None:
+        """Drop the indices of a domain that holds no live blob any more (its last sandbox
+        went): their entries all name dead blobs, and nothing would purge them until the
+        domain's next encode. Its ids wait in the quarantine as any freed id does."""
+        if (self.live_mask() & (self.rows["domain"][:self.n] == d.did)).any():
+            return
+        d.dup_keys, d.dup_ids = np.zeros(0, np.uint64), np.zeros(0, np.uint32)
+        d.dup_dirty, d.dup_pending, d.dup_stale = True, [], 0
+        d.sim, d.sim_pending = SimilarityIndex.empty(), []
+
+    def reset_if_empty(self) -> bool:
+        """With no live blob left, go back to the first size: the rows grown for a fleet of
+        sandboxes are not kept once it is gone. The caller holds off every holder of blob
+        ids (an encode's plan, a compaction)."""
+        if self.n == 0 or self.live_mask().any():
+            return False
+        for d in self.domains.values():
+            self.forget_domain(d)
+        self.rows = np.zeros(1024, dtype=BLOB_DTYPE)
+        self.n = 0
+        self.free, self.quarantine = np.zeros(0, np.uint32), np.zeros(0, np.uint32)
+        if self.on_change is not None:
+            self.on_change(self)
+        return True
+
     # -- per-domain indices ------------------------------------------------------------------
     def add_dups(self, d: DomainState, keys: np.ndarray, ids: np.ndarray) -> None:
         """New blobs of domain ``d``: merged into its DUP index at the next lookup."""

@@ -537,6 +537,8 @@ class PageStore(StoreWriter):
             del self._sandboxes[sandbox]
             self._publish(sandbox)
             sb.domain.sandboxes.discard(sandbox)
+            if not sb.domain.sandboxes:
+                self._table.forget_domain(sb.domain)
             self._dirty.discard(sandbox)
             self._changed = True
         self._maybe_compact()

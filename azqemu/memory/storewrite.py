@@ -65,6 +65,7 @@ class StoreWriter:
     _lock: threading.RLock              # the state lock: tables, indices, arena mappings
     _flush_lock: threading.Lock         # one generation written at a time
     _compact_lock: threading.Lock       # one compaction at a time
+    _encode_lock: threading.Lock        # one encode at a time (its plan holds blob ids)
     _table: BlobTable
     _arenas: ArenaSet
     _sandboxes: dict[str, StoredSandbox]
@@ -145,6 +146,26 @@ class StoreWriter:
                     return
         finally:
             self._compact_lock.release()
+        if not self._sandboxes:
+            self._reset_if_empty()
+
+    def _reset_if_empty(self) -> None:
+        """The last sandbox went: the blob table shrinks back (BlobTable.reset_if_empty), so
+        a manager that served a fleet returns to its idle memory. Not while an encode or a
+        compaction holds blob ids (a compaction looks again as it ends, ``_maybe_compact``)."""
+        if not self._encode_lock.acquire(blocking=False):
+            return
+        try:
+            if not self._compact_lock.acquire(blocking=False):
+                return
+            try:
+                with self._lock:
+                    if not self._sandboxes and self._table.reset_if_empty():
+                        self._changed = True
+            finally:
+                self._compact_lock.release()
+        finally:
+            self._encode_lock.release()
 
     def compact_arena(self, arena_id: int) -> None:
         """Move the live blobs of an arena to the current one and drop it (compaction.py).

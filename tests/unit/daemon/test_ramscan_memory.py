@@ -63,11 +63,11 @@ def _fill(fd: int, template: TemplateImage, round_no: int) -> None:
         os.pwrite(fd, page.tobytes(), p * PAGE_SIZE)
 
 
-def _compress(store: PageStore, scan: RamScan, template: TemplateImage, fd: int) -> int:
+def _compress(store: PageStore, scan: RamScan, template: TemplateImage, fd: int, sandbox: str = "s0") -> int:
     """What SandboxMemory.compress does for a memfd clone: chunks -> encode, flush, punch."""
     stored = []
     for part, pages in scan.chunks(scan.index()):
-        stored.append(store.encode("s0", "d", part, pages, template).stored_idx)
+        stored.append(store.encode(sandbox, "d", part, pages, template).stored_idx)
     store.flush()
     idx = np.concatenate(stored) if stored else np.empty(0, np.int64)
     for p in idx.tolist():
@@ -122,6 +122,49 @@ def test_compressions_release_their_buffers(template: TemplateImage, tmp_path: P
     finally:
         store.close()
         os.close(fd)
+
+
+def test_the_store_gives_its_tables_back_when_the_last_sandbox_goes(template: TemplateImage, tmp_path: Path) -> None:
+    """A fleet of sandboxes grows the blob table and the domain's indices; once the last one
+    is freed the manager holds what it held before them (not the fleet's high-water mark),
+    and the store goes on exact: reopened, and with a new sandbox whose ids start again."""
+    fd = os.memfd_create("azq-test-ram")
+    store = PageStore(tmp_path / "store")
+    try:
+        os.ftruncate(fd, N_PAGES * PAGE_SIZE)
+        scan = RamScan(0, 0, N_PAGES, fd, False)
+        _fill(fd, template, 0)
+        _compress(store, scan, template, fd)
+        store.free_sandbox("s0")
+        store.flush()
+        tracemalloc.start()
+        try:
+            base, _ = tracemalloc.get_traced_memory()
+            for r in range(1, 4):
+                for sb in ("s1", "s2", "s3", "s4"):
+                    _fill(fd, template, 10 * r + int(sb[1]))
+                    _compress(store, scan, template, fd, sb)
+            grown = tracemalloc.get_traced_memory()[0] - base
+            for sb in ("s1", "s2", "s3", "s4"):
+                store.free_sandbox(sb)
+            store.flush()
+            left = tracemalloc.get_traced_memory()[0] - base
+        finally:
+            tracemalloc.stop()
+        assert grown > 512 << 10 and left < 128 << 10, (grown, left)
+        _fill(fd, template, 99)
+        idx = scan.index()
+        want = np.stack([np.frombuffer(os.pread(fd, PAGE_SIZE, p * PAGE_SIZE), np.uint8) for p in idx.tolist()])
+        stored = store.encode("s5", "d", idx, want, template).stored_idx
+        store.flush()
+        rows = np.searchsorted(idx, stored)
+        assert (store.decode("s5", stored) == want[rows]).all()
+    finally:
+        store.close()
+        os.close(fd)
+    with PageStore(tmp_path / "store", templates=(template,)) as again:
+        again.check_consistency()
+        assert (again.decode("s5", stored) == want[rows]).all()
 
 
 def test_a_detached_sandbox_memory_goes_without_a_garbage_collection(
