@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from azqemu.memory.simindex import SimilarityIndex
+from azqemu.memory.simindex import LayeredIndex, SimilarityIndex
 
 BLOB_DTYPE = np.dtype([("key", "<u8"), ("check", "<u8"), ("offset", "<u4"), ("ref", "<u4"),
                        ("refcount", "<u4"), ("arena", "<u2"), ("length", "<u2"), ("domain", "<u2"),
@@ -56,6 +56,7 @@ class DomainState:
     dup_pending: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # new (keys, ids)
     dup_stale: int = 0                   # entries of dup_keys whose blob died since the build
     sim: SimilarityIndex = field(default_factory=SimilarityIndex.empty)
+    sim_young: SimilarityIndex = field(default_factory=SimilarityIndex.empty)   # merged into sim later
     sim_pending: list[SimilarityIndex] = field(default_factory=list)
 
 
@@ -171,7 +172,7 @@ class BlobTable:
             return
         d.dup_keys, d.dup_ids = np.zeros(0, np.uint64), np.zeros(0, np.uint32)
         d.dup_dirty, d.dup_pending, d.dup_stale = True, [], 0
-        d.sim, d.sim_pending = SimilarityIndex.empty(), []
+        d.sim, d.sim_young, d.sim_pending = SimilarityIndex.empty(), SimilarityIndex.empty(), []
 
     def reset_if_empty(self) -> bool:
         """With no live blob left, go back to the first size: the rows grown for a fleet of
@@ -228,17 +229,18 @@ class BlobTable:
             fps = np.asarray(fps)[:, list(BLOB_SIM_SLOTS)]
             d.sim_pending.append(SimilarityIndex.build(fps, np.asarray(ids, dtype=np.uint32)))
 
-    def _merge_sim(self, d: DomainState) -> None:
+    def _merge_sim(self, d: DomainState, *, full: bool = True) -> None:
+        """Each commit's entries go into the young index (small: cheap to re-sort), the young
+        one into the domain's once it holds an eighth as many entries (or ``full``)."""
         if d.sim_pending:
-            keys = np.concatenate([d.sim.keys] + [p.keys for p in d.sim_pending])
-            src = np.concatenate([d.sim.sources.astype(np.uint32)] + [p.sources for p in d.sim_pending])
-            order = np.argsort(keys, kind="stable")
-            d.sim = SimilarityIndex(keys[order], src[order])
-            d.sim_pending = []
+            d.sim_young, d.sim_pending = _merged([d.sim_young] + d.sim_pending), []
+        if len(d.sim_young) and (full or 8 * len(d.sim_young) > len(d.sim)):
+            d.sim, d.sim_young = _merged([d.sim, d.sim_young]), SimilarityIndex.empty()
 
-    def sim_index(self, d: DomainState) -> SimilarityIndex:
-        self._merge_sim(d)
-        return d.sim
+    def sim_index(self, d: DomainState) -> SimilarityIndex | LayeredIndex:
+        """The domain's similarity index for a query (the young entries not merged yet)."""
+        self._merge_sim(d, full=False)
+        return LayeredIndex(d.sim, d.sim_young) if len(d.sim_young) else d.sim
 
     def sim_entries_per_blob(self, d: DomainState) -> np.ndarray:
         """Number of similarity-index entries held by each blob id (length ``n``)."""
@@ -250,3 +252,12 @@ class BlobTable:
     def sim_entry_bytes(self, d: DomainState) -> int:
         self._merge_sim(d)
         return d.sim.keys.itemsize + d.sim.sources.itemsize if len(d.sim) else 12
+
+
+def _merged(parts: list[SimilarityIndex]) -> SimilarityIndex:
+    """One index of ``parts`` in order: a stable sort keeps, for equal fingerprints, the
+    entries of earlier parts first (sorted runs: timsort merges them in linear time)."""
+    keys = np.concatenate([p.keys for p in parts])
+    src = np.concatenate([p.sources.astype(np.uint32) for p in parts])
+    order = np.argsort(keys, kind="stable")
+    return SimilarityIndex(keys[order], src[order])

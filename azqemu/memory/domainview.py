@@ -18,7 +18,7 @@ from azqemu.memory.arena import ArenaSet
 from azqemu.memory.blobdecode import decode_recipe, read_recipe
 from azqemu.memory.blobtable import BlobTable, DomainState
 from azqemu.memory.kinds import DECODE_COST_US, PAGE_SIZE, Method, RefType
-from azqemu.memory.simindex import SimilarityIndex
+from azqemu.memory.simindex import LayeredIndex, SimilarityIndex
 from azqemu.memory.template import TemplateImage
 from azqemu.memory.zstdlib import PageZstd
 
@@ -78,6 +78,6 @@ class StoreDomainView:
         return (blob_id < self.table.n and int(rows["refcount"][blob_id]) > 0
                 and int(rows["domain"][blob_id]) == self.d.did and int(rows["reftype"][blob_id]) != _REFTYPE_BLOB)
 
-    def sim_index(self) -> SimilarityIndex:
+    def sim_index(self) -> SimilarityIndex | LayeredIndex:
         with self.lock:
             return self.table.sim_index(self.d)

@@ -38,7 +38,7 @@ from azqemu.memory.kinds import (
     RefType,
 )
 from azqemu.memory.pagehash import page_hashes_rows
-from azqemu.memory.simindex import N_SAMPLES, SimilarityIndex, sample_fingerprints
+from azqemu.memory.simindex import N_SAMPLES, LayeredIndex, SimilarityIndex, sample_fingerprints
 from azqemu.memory.template import TemplateImage
 from azqemu.memory.zstdlib import (
     C_LZ4,
@@ -103,7 +103,7 @@ class DomainView(Protocol):
     def blob_decode_cost_us(self, blob_id: int) -> float: ...
     def blob_shared(self, blob_id: int) -> bool: ...                   # referenced more than once
     def blob_is_base(self, blob_id: int) -> bool: ...                  # may serve as SDELTA base
-    def sim_index(self) -> SimilarityIndex: ...                        # sources are blob ids
+    def sim_index(self) -> SimilarityIndex | LayeredIndex: ...         # sources are blob ids
 
 
 @dataclass
@@ -304,7 +304,8 @@ class Encoder:
 
     def _encode_chunk(self, plan: Plan, pages: np.ndarray, rest: np.ndarray, key: np.ndarray,
                       check: np.ndarray, uniq: np.ndarray, template: TemplateImage, domain: DomainView | None,
-                      sim_t: SimilarityIndex, sim_b: SimilarityIndex | None, hot: np.ndarray) -> None:
+                      sim_t: SimilarityIndex, sim_b: SimilarityIndex | LayeredIndex | None,
+                      hot: np.ndarray) -> None:
         opt = self.opt
         z = self.zstd
         budget = opt.decode_budget_us

@@ -170,7 +170,7 @@ def snapshot_generation(uuid: bytes, generation: int, table: BlobTable, arenas: 
         rows = rows_buf[:size].data
     else:
         rows = table.rows[:table.n].tobytes()
-    sims = [(d.sim, list(d.sim_pending)) for d in domains]
+    sims = [(d.sim, ([d.sim_young] if len(d.sim_young) else []) + list(d.sim_pending)) for d in domains]
     fds = arenas.begin_flush()          # the last step that can fail
     taken = set(dirty)
     dirty.clear()

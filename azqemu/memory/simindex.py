@@ -98,10 +98,7 @@ class SimilarityIndex:
         self.excluded_hit = np.zeros(n, dtype=bool)
         if n == 0 or len(self.keys) == 0:
             return np.full(n, -1, np.int64), np.zeros(n, np.int64)
-        pos = np.searchsorted(self.keys, fps)
-        pos_c = np.minimum(pos, len(self.keys) - 1)
-        hit = (self.keys[pos_c] == fps) & (fps != 0)
-        cand = np.where(hit, self.sources[pos_c], -1)
+        cand, hit, pos_c = self.first_hits(fps)
         if exclude is not None:
             # A duplicated fingerprint may hide a second candidate behind the excluded one:
             # look one slot further for those rows.
@@ -111,10 +108,47 @@ class SimilarityIndex:
                 nxt = np.minimum(pos_c + 1, len(self.keys) - 1)
                 alt_hit = hit & (self.keys[nxt] == fps) & (self.sources[nxt] != cand)
                 cand = np.where(ex, np.where(alt_hit, self.sources[nxt], -1), cand)
-        valid = cand >= 0
-        votes = np.zeros(cand.shape, dtype=np.int64)
-        for k in range(cand.shape[1]):
-            votes[:, k] = ((cand == cand[:, k:k + 1]) & valid).sum(axis=1) * valid[:, k]
-        best = votes.argmax(axis=1)
-        rows = np.arange(n)
-        return cand[rows, best], votes[rows, best]
+        return best_candidates(cand)
+
+    def first_hits(self, fps: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per fingerprint, the source of its first entry (-1: none), whether it hit, and where."""
+        if len(self.keys) == 0:
+            return np.full(fps.shape, -1, np.int64), np.zeros(fps.shape, bool), np.zeros(fps.shape, np.int64)
+        pos_c = np.minimum(np.searchsorted(self.keys, fps), len(self.keys) - 1)
+        hit = (self.keys[pos_c] == fps) & (fps != 0)
+        # int64 first: blob indices hold u32 sources, where -1 would wrap to a valid-looking id.
+        return np.where(hit, self.sources[pos_c].astype(np.int64), -1), hit, pos_c
+
+
+def best_candidates(cand: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of per-sample candidates: the one most samples name, and how many do."""
+    valid = cand >= 0
+    votes = np.zeros(cand.shape, dtype=np.int64)
+    for k in range(cand.shape[1]):
+        votes[:, k] = ((cand == cand[:, k:k + 1]) & valid).sum(axis=1) * valid[:, k]
+    best = votes.argmax(axis=1)
+    rows = np.arange(len(cand))
+    return cand[rows, best], votes[rows, best]
+
+
+@dataclass
+class LayeredIndex:
+    """A large sorted index and a younger, smaller one: a query answers what the two merged
+    would (for equal fingerprints the older entry first, as a stable merge orders them)
+    without re-sorting the large one at every commit (BlobTable._merge_sim)."""
+
+    old: SimilarityIndex
+    young: SimilarityIndex
+
+    def __len__(self) -> int:
+        return len(self.old) + len(self.young)
+
+    def query(self, fps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        n = len(fps)
+        if n == 0 or len(self) == 0:
+            return np.full(n, -1, np.int64), np.zeros(n, np.int64)
+        cand = self.old.first_hits(fps)[0]
+        miss = cand < 0
+        if miss.any():
+            cand[miss] = self.young.first_hits(fps[miss])[0]
+        return best_candidates(cand)

@@ -98,3 +98,35 @@ def test_quarantined_ids_wait_for_the_purge_before_reuse() -> None:
     t.reclaim(force=True)
     assert not len(t.quarantine) and sorted(t.free.tolist()) == ids[:10].tolist()
     assert not np.isin(t.sim_index(d).sources, ids[:10]).any()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.integers(1, 30), st.integers(0, 50)), max_size=12), min_size=1, max_size=8),
+       st.lists(st.integers(0, 30), min_size=4, max_size=4))
+def test_the_young_similarity_entries_answer_as_one_merged_index(commits: list, probe: list) -> None:
+    """Entries added commit by commit and queried between commits: the layered index (a
+    large one and a young one) names the candidates one fully merged index would."""
+    t = BlobTable()
+    d = t.domain("a", "tpl")
+    fps = np.array([probe], dtype=np.uint64)
+    for rows in commits:
+        if rows:
+            keys = np.array([[k, k + 100] for k, _ in rows], dtype=np.uint64)
+            t.add_sim(d, np.concatenate([keys, keys], axis=1), np.array([s for _, s in rows], dtype=np.uint32))
+        layered = t.sim_index(d)
+        young = len(d.sim_young)
+        merged = blobtable._merged([d.sim, d.sim_young])
+        assert [x.tolist() for x in layered.query(fps)] == [x.tolist() for x in merged.query(fps)]
+        assert len(layered) == len(merged) and young == len(d.sim_young)
+    t.sim_entries_per_blob(d)                    # a full merge
+    assert len(d.sim_young) == 0
+
+
+def test_a_blob_candidate_with_one_matching_sample_is_found() -> None:
+    """Blob indices hold u32 sources: the rows' misses must not count as votes for a
+    candidate (they once wrapped to 2^32-1 and outvoted a real single match)."""
+    t = BlobTable()
+    d = t.domain("a", "tpl")
+    t.add_sim(d, np.array([[11, 12, 13, 14]], dtype=np.uint64), np.array([7], dtype=np.uint32))
+    cand, votes = t.sim_index(d).query(np.array([[11, 0, 99, 98], [0, 0, 0, 0]], dtype=np.uint64))
+    assert cand.tolist() == [7, -1] and votes.tolist() == [1, 0]
