@@ -242,3 +242,26 @@ def test_pressure_skips_a_sandbox_whose_compression_is_still_queued(sched: Sched
     fake.hold.set()
     sched._worker.submit(lambda: None).result(timeout=5)
     assert fake.calls == [("compress", "blocker"), ("pressure", "mid")]
+
+
+def test_a_trim_never_queues_ahead_of_a_compression(sched: Scheduler, fake: FakeActions, clock: Clock) -> None:
+    """Trims go to an idle worker only: with a compression running (or queued), a sandbox
+    in a long tool call is not trimmed at that tick, and the compression of a second wait
+    runs right after the first, not behind trims."""
+    from azqemu.sched.policy import TRIM_AFTER_S
+
+    w1, w2, tool = (_add(fake, clock, n, "agentzip") for n in ("w1", "w2", "tool"))
+    tool.tracker.exec_started()
+    w1.tracker.hint("wait")
+    fake.hold = threading.Event()
+    clock.t += TRIM_AFTER_S + 0.5
+    sched.tick()                                  # w1's compression runs (held); no trim queued
+    assert fake.started.wait(5)
+    w2.tracker.hint("wait")
+    clock.t += 1.5
+    sched.tick()                                  # w2's compression queued; still no trim
+    fake.hold.set()
+    sched._worker.submit(lambda: None).result(timeout=5)
+    assert fake.calls == [("compress", "w1"), ("compress", "w2")]
+    _tick(sched)                                  # the worker is idle again: now the trim
+    assert fake.calls[-1] == ("trim", "tool") and sched._queued == 0
