@@ -151,7 +151,8 @@ class BlobTable:
         if not len(self.quarantine):
             return
         if not force:
-            entries = sum(len(d.sim) + sum(len(p) for p in d.sim_pending) for d in self.domains.values())
+            entries = sum(len(d.sim) + len(d.sim_young) + sum(len(p) for p in d.sim_pending)
+                          for d in self.domains.values())
             if len(self.quarantine) < max(RECLAIM_MIN_IDS, entries // 8):
                 return
         dead = self.quarantine.astype(np.int64)

@@ -5,7 +5,8 @@ Every tick it looks at each sandbox's phase (``phases.PhaseTracker``) and policy
 than the grace period is compressed (in a single worker, so two compressions never fight
 for the two cores of a small host); a ``linux`` sandbox gets its RAM paged out to zram
 once per wait; a compressing sandbox whose tool call runs long is trimmed (what it holds
-unchanged since its last compression is dropped again) every ``policy.TRIM_EVERY_S``; the
+unchanged since its last compression is dropped again) every ``policy.TRIM_EVERY_S``, when
+the worker has nothing else to do (compressions first); the
 ``agentzip-pressure`` ablation ignores phases and compresses the largest
 sandboxes while their memory is over a budget. A tool call never waits for a compression:
 ``azq exec`` cancels a running one and resumes the sandbox first (the daemon does that).
@@ -75,9 +76,9 @@ class Scheduler:
             if sample_host:
                 self._sample_cpu(name, st, now)
             ph = st.tracker.current()
-            # A trim goes to an idle worker only: queued behind trims of other sandboxes in
-            # long tool calls, a compression would find its wait over (measured at 8
-            # sandboxes: 36 of ~128 waits compressed), so it waits for one running trim at most.
+            # A trim goes to an idle worker only, so a compression waits for one running trim
+            # at most: queued behind every sandbox's trims it found its wait over (8 sandboxes
+            # of long-lived-heap: 36 waits compressed of ~128; 48 with this rule).
             if (st.policy.trim_in_tool and ph.phase == TOOL and now - ph.since_s >= TRIM_AFTER_S
                     and now - st.trimmed_at_s >= TRIM_EVERY_S and not self._busy(st)):
                 if self._queued == 0:
