@@ -169,11 +169,8 @@ class BlobTable:
         """Drop the indices of a domain that holds no live blob any more (its last sandbox
         went): their entries all name dead blobs, and nothing would purge them until the
         domain's next encode. Its ids wait in the quarantine as any freed id does."""
-        if (self.live_mask() & (self.rows["domain"][:self.n] == d.did)).any():
-            return
-        d.dup_keys, d.dup_ids = np.zeros(0, np.uint64), np.zeros(0, np.uint32)
-        d.dup_dirty, d.dup_pending, d.dup_stale = True, [], 0
-        d.sim, d.sim_young, d.sim_pending = SimilarityIndex.empty(), SimilarityIndex.empty(), []
+        if not (self.live_mask() & (self.rows["domain"][:self.n] == d.did)).any():
+            _clear_indices(d)
 
     def reset_if_empty(self) -> bool:
         """With no live blob left, go back to the first size: the rows grown for a fleet of
@@ -182,7 +179,7 @@ class BlobTable:
         if self.n == 0 or self.live_mask().any():
             return False
         for d in self.domains.values():
-            self.forget_domain(d)
+            _clear_indices(d)
         self.rows = np.zeros(1024, dtype=BLOB_DTYPE)
         self.n = 0
         self.free, self.quarantine = np.zeros(0, np.uint32), np.zeros(0, np.uint32)
@@ -234,9 +231,9 @@ class BlobTable:
         """Each commit's entries go into the young index (small: cheap to re-sort), the young
         one into the domain's once it holds an eighth as many entries (or ``full``)."""
         if d.sim_pending:
-            d.sim_young, d.sim_pending = _merged([d.sim_young] + d.sim_pending), []
+            d.sim_young, d.sim_pending = SimilarityIndex.merged([d.sim_young] + d.sim_pending), []
         if len(d.sim_young) and (full or 8 * len(d.sim_young) > len(d.sim)):
-            d.sim, d.sim_young = _merged([d.sim, d.sim_young]), SimilarityIndex.empty()
+            d.sim, d.sim_young = SimilarityIndex.merged([d.sim, d.sim_young]), SimilarityIndex.empty()
 
     def sim_index(self, d: DomainState) -> SimilarityIndex | LayeredIndex:
         """The domain's similarity index for a query (the young entries not merged yet)."""
@@ -255,10 +252,7 @@ class BlobTable:
         return d.sim.keys.itemsize + d.sim.sources.itemsize if len(d.sim) else 12
 
 
-def _merged(parts: list[SimilarityIndex]) -> SimilarityIndex:
-    """One index of ``parts`` in order: a stable sort keeps, for equal fingerprints, the
-    entries of earlier parts first (sorted runs: timsort merges them in linear time)."""
-    keys = np.concatenate([p.keys for p in parts])
-    src = np.concatenate([p.sources.astype(np.uint32) for p in parts])
-    order = np.argsort(keys, kind="stable")
-    return SimilarityIndex(keys[order], src[order])
+def _clear_indices(d: DomainState) -> None:
+    d.dup_keys, d.dup_ids = np.zeros(0, np.uint64), np.zeros(0, np.uint32)
+    d.dup_dirty, d.dup_pending, d.dup_stale = True, [], 0
+    d.sim, d.sim_young, d.sim_pending = SimilarityIndex.empty(), SimilarityIndex.empty(), []

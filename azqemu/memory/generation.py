@@ -185,12 +185,9 @@ def _binary(snap: GenerationSnapshot) -> list[bytes | memoryview]:
     binary: list[bytes | memoryview] = [snap.rows]
     dead = snap.dead.astype(np.int64)
     for dm, (sim, pending) in zip(snap.meta["domains"], snap.sims):
-        keys, src = sim.keys, sim.sources.astype(np.uint32)
         if pending:
-            keys = np.concatenate([keys] + [p.keys for p in pending])
-            src = np.concatenate([src] + [p.sources.astype(np.uint32) for p in pending])
-            order = np.argsort(keys, kind="stable")
-            keys, src = keys[order], src[order]
+            sim = SimilarityIndex.merged([sim] + pending)
+        keys, src = sim.keys, sim.sources.astype(np.uint32)
         if len(dead) and len(src):
             keep = ~np.isin(src, dead)
             keys, src = keys[keep], src[keep]

@@ -77,6 +77,16 @@ class SimilarityIndex:
         return cls(flat[order], src[order])
 
     @classmethod
+    def merged(cls, parts: list[SimilarityIndex]) -> SimilarityIndex:
+        """One index of ``parts`` in order, u32 sources: a stable sort keeps, for equal
+        fingerprints, the entries of earlier parts first (sorted runs: timsort merges them in
+        linear time)."""
+        keys = np.concatenate([p.keys for p in parts])
+        src = np.concatenate([p.sources.astype(np.uint32) for p in parts])
+        order = np.argsort(keys, kind="stable")
+        return cls(keys[order], src[order])
+
+    @classmethod
     def empty(cls) -> SimilarityIndex:
         return cls(np.zeros(0, np.uint64), np.zeros(0, np.int64))
 
@@ -107,7 +117,7 @@ class SimilarityIndex:
             if ex.any():
                 nxt = np.minimum(pos_c + 1, len(self.keys) - 1)
                 alt_hit = hit & (self.keys[nxt] == fps) & (self.sources[nxt] != cand)
-                cand = np.where(ex, np.where(alt_hit, self.sources[nxt], -1), cand)
+                cand = np.where(ex, np.where(alt_hit, self.sources[nxt].astype(np.int64), -1), cand)
         return best_candidates(cand)
 
     def first_hits(self, fps: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

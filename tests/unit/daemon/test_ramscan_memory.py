@@ -8,6 +8,7 @@ tracemalloc counts numpy's buffers too (numpy reports them to it)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import tracemalloc
@@ -88,14 +89,25 @@ def test_scan_chunks_are_bounded(template: TemplateImage) -> None:
         os.close(fd)
 
 
-def test_compressions_release_their_buffers(template: TemplateImage, tmp_path: Path) -> None:
+@contextlib.contextmanager
+def _compressed_once(template: TemplateImage, root: Path) -> Iterator[tuple[int, PageStore, RamScan]]:
+    """A simulated sandbox (memfd) and a store that compressed it once ("s0"): imports,
+    codec contexts and the store's tables exist before a test measures."""
     fd = os.memfd_create("azq-test-ram")
-    store = PageStore(tmp_path / "store")
+    store = PageStore(root)
     try:
         os.ftruncate(fd, N_PAGES * PAGE_SIZE)
         scan = RamScan(0, 0, N_PAGES, fd, False)
         _fill(fd, template, 0)
-        _compress(store, scan, template, fd)       # first one: imports, contexts, the store's tables
+        _compress(store, scan, template, fd)
+        yield fd, store, scan
+    finally:
+        store.close()
+        os.close(fd)
+
+
+def test_compressions_release_their_buffers(template: TemplateImage, tmp_path: Path) -> None:
+    with _compressed_once(template, tmp_path / "store") as (fd, store, scan):
         tracemalloc.start()
         try:
             base, _ = tracemalloc.get_traced_memory()
@@ -119,22 +131,13 @@ def test_compressions_release_their_buffers(template: TemplateImage, tmp_path: P
         heap = selfmem.heap_stats()
         if heap:        # glibc: its books are readable, and the freed buffers are not in use
             assert heap["heap_in_use_bytes"] > 0 and heap["heap_free_bytes"] >= 0
-    finally:
-        store.close()
-        os.close(fd)
 
 
 def test_the_store_gives_its_tables_back_when_the_last_sandbox_goes(template: TemplateImage, tmp_path: Path) -> None:
     """A fleet of sandboxes grows the blob table and the domain's indices; once the last one
     is freed the manager holds what it held before them (not the fleet's high-water mark),
     and the store goes on exact: reopened, and with a new sandbox whose ids start again."""
-    fd = os.memfd_create("azq-test-ram")
-    store = PageStore(tmp_path / "store")
-    try:
-        os.ftruncate(fd, N_PAGES * PAGE_SIZE)
-        scan = RamScan(0, 0, N_PAGES, fd, False)
-        _fill(fd, template, 0)
-        _compress(store, scan, template, fd)
+    with _compressed_once(template, tmp_path / "store") as (fd, store, scan):
         store.free_sandbox("s0")
         store.flush()
         tracemalloc.start()
@@ -159,9 +162,6 @@ def test_the_store_gives_its_tables_back_when_the_last_sandbox_goes(template: Te
         store.flush()
         rows = np.searchsorted(idx, stored)
         assert (store.decode("s5", stored) == want[rows]).all()
-    finally:
-        store.close()
-        os.close(fd)
     with PageStore(tmp_path / "store", templates=(template,)) as again:
         again.check_consistency()
         assert (again.decode("s5", stored) == want[rows]).all()

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from azqemu.memory import blobtable
 from azqemu.memory.blobtable import BlobTable
+from azqemu.memory.simindex import SimilarityIndex
 
 
 def _add(t: BlobTable, d: blobtable.DomainState, keys: list[int]) -> np.ndarray:
@@ -115,7 +116,7 @@ def test_the_young_similarity_entries_answer_as_one_merged_index(commits: list, 
             t.add_sim(d, np.concatenate([keys, keys], axis=1), np.array([s for _, s in rows], dtype=np.uint32))
         layered = t.sim_index(d)
         young = len(d.sim_young)
-        merged = blobtable._merged([d.sim, d.sim_young])
+        merged = SimilarityIndex.merged([d.sim, d.sim_young])
         assert [x.tolist() for x in layered.query(fps)] == [x.tolist() for x in merged.query(fps)]
         assert len(layered) == len(merged) and young == len(d.sim_young)
     t.sim_entries_per_blob(d)                    # a full merge
