@@ -71,8 +71,10 @@ class PolicyRun:
 class _Sampler:
     """Samples host memory and the sandboxes' owned bytes in a thread."""
 
-    def __init__(self, client: Client, names: list[str], baseline_used_bytes: int) -> None:
-        self.c, self.names, self.base = client, names, baseline_used_bytes
+    def __init__(self, client: Client, names: list[str], baseline: hostmem.Baseline) -> None:
+        self.c, self.names, self.base = client, names, baseline.used_bytes
+        self.base_parts = baseline.parts_bytes
+        self.parts: dict[str, list[float]] = {part: [] for part in hostmem.HOST_PARTS}
         self.t_s: list[float] = []
         self.owned: list[float] = []
         self.host_used: list[float] = []
@@ -109,6 +111,8 @@ class _Sampler:
         used = host["MemTotal"] - host["MemAvailable"]
         self.host_used.append(float(used - self.base))
         self.host_cost.append(float(used - self.base) - qemu_own)
+        for part, v in hostmem.host_parts(host).items():
+            self.parts[part].append(float(v - self.base_parts.get(part, 0)))
         self.store.append(float(r["store_bytes"]))
         self.zram.append(float(zram.get("mem_used_total", 0)))
         self.manager_rss.append(float(r["manager_rss_bytes"]))
@@ -220,7 +224,7 @@ def run_policy(c: Client, template: str, wl: Workload, plan: list[list[Step]], p
         if pol.linux_reclaim:
             kc = wait_ksm_converged(timeout_s=KSM_CONVERGE_TIMEOUT_S)
             run.extra["ksm_converge_s"] = getattr(kc, "elapsed_s", None)
-        sampler = _Sampler(c, names, baseline.used_bytes)
+        sampler = _Sampler(c, names, baseline)
         sampler.start()
         progress(f"[{policy}] running the workload")
         t0 = time.monotonic()
@@ -235,6 +239,7 @@ def run_policy(c: Client, template: str, wl: Workload, plan: list[list[Step]], p
         run.extra["compress_cpu_s_total"] = float(sum(last.get(x, {}).get("compress_cpu_s_total", 0.0)
                                                       for x in names))
         run.extra.update(compress_cpu_per_wait(c, names))
+        run.extra["host_parts_bytes_avg"] = {part: _twa(sampler.t_s, y) for part, y in sampler.parts.items()}
         run.series = {"t_s": sampler.t_s, "owned_bytes": sampler.owned, "host_used_bytes": sampler.host_used,
                       "store_bytes": sampler.store, "zram_bytes": sampler.zram,
                       "manager_rss_bytes": sampler.manager_rss, "qemu_own_bytes": sampler.qemu_own,

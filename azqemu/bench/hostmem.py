@@ -10,12 +10,24 @@ arithmetic behind both live in ``azqemu.host`` (procfs, memacct).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from azqemu.host.memacct import KsmStat, read_ksm, read_zram_total
 from azqemu.host.procfs import read_meminfo
+
+
+# Where host memory in use goes, from /proc/meminfo: the density benchmark reports each above
+# idle beside host cost, so that a cost no sandbox figure shows (page tables of the guest-RAM
+# mappings, kernel objects) is seen rather than guessed at.
+HOST_PARTS = {"anon": "AnonPages", "shmem": "Shmem", "page_tables": "PageTables",
+              "slab_unreclaimable": "SUnreclaim", "kernel_stack": "KernelStack"}
+
+
+def host_parts(meminfo: dict[str, int]) -> dict[str, int]:
+    """HOST_PARTS of one /proc/meminfo read, in bytes (0 where the kernel lacks a field)."""
+    return {part: int(meminfo.get(field, 0)) for part, field in HOST_PARTS.items()}
 
 
 def sample_host(zram: dict[str, int] | None = None, ksm: KsmStat | None = None) -> dict[str, float]:
@@ -33,6 +45,7 @@ def sample_host(zram: dict[str, int] | None = None, ksm: KsmStat | None = None) 
         "ksm_pages_shared": ksm.pages_shared,
         "ksm_pages_sharing": ksm.pages_sharing,
         "ksm_zero_pages": ksm.ksm_zero_pages,
+        **{f"{part}_bytes": float(v) for part, v in host_parts(mi).items()},
     }
 
 
@@ -46,6 +59,7 @@ class Baseline:
     zram_mem_used_bytes: int
     duration_s: float
     spread_bytes: int           # max - min of used_bytes while measuring (noise on this host)
+    parts_bytes: dict[str, int] = field(default_factory=dict)   # HOST_PARTS, medians
 
 
 # The idle baseline waits (up to SETTLE_TIMEOUT_S) until host memory in use stops moving by
@@ -76,7 +90,8 @@ def idle_baseline(duration_s: float = 3.0, interval_s: float = 0.25) -> Baseline
         shmem_bytes=int(np.median([s["shmem_bytes"] for s in samples])),
         swap_used_bytes=int(np.median([s["swap_used_bytes"] for s in samples])),
         zram_mem_used_bytes=int(np.median([s["zram_mem_used_bytes"] for s in samples])),
-        duration_s=duration_s, spread_bytes=int(used.max() - used.min()))
+        duration_s=duration_s, spread_bytes=int(used.max() - used.min()),
+        parts_bytes={part: int(np.median([s[f"{part}_bytes"] for s in samples])) for part in HOST_PARTS})
 
 
 def latency_summary(latencies_s: list[float]) -> dict[str, float]:

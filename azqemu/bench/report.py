@@ -182,6 +182,12 @@ def markdown_table(result: dict[str, Any]) -> str:
         vals = [v for v in own.values() if v is not None]
         notes.append("QEMU's own memory per sandbox (not in owned or host cost): "
                      f"{_mib_cell(min(vals))}-{_mib_cell(max(vals))} MiB.")
+    parts = {n: p["host_parts_bytes_avg"] for n, p in result["policies"].items() if p.get("host_parts_bytes_avg")}
+    if parts:
+        notes.append("Host memory above idle by kind (/proc/meminfo, MiB averaged over the run; page tables "
+                     "and kernel objects are in host cost, in no sandbox figure): " + "; ".join(
+                         f"{n}: " + ", ".join(f"{k.replace('_', ' ')} {_mib_cell(v)}" for k, v in d.items())
+                         for n, d in parts.items()) + ".")
     return "\n".join(lines + [""] + notes) + "\n"
 
 

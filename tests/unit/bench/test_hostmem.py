@@ -20,6 +20,13 @@ def test_sample_host() -> None:
 def test_idle_baseline() -> None:
     b = hm.idle_baseline(duration_s=0.3, interval_s=0.1)
     assert b.used_bytes > 0 and b.spread_bytes >= 0 and b.duration_s == 0.3
+    assert set(b.parts_bytes) == set(hm.HOST_PARTS) and b.parts_bytes["page_tables"] > 0
+
+
+def test_host_parts_read_meminfo_fields_in_bytes() -> None:
+    parts = hm.host_parts({"AnonPages": 5 << 20, "PageTables": 3 << 20, "Shmem": 1})
+    assert parts == {"anon": 5 << 20, "shmem": 1, "page_tables": 3 << 20, "slab_unreclaimable": 0,
+                     "kernel_stack": 0}
 
 
 def test_latency_summary() -> None:

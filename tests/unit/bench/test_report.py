@@ -74,6 +74,13 @@ def test_markdown_table() -> None:
     assert "a KVM QEMU's own memory is a few tens of MiB" in md and "on owned (no host cost" in md
 
 
+def test_markdown_notes_the_host_parts() -> None:
+    res = synthetic()
+    res["policies"]["azqemu"]["host_parts_bytes_avg"] = {"anon": 10 << 20, "page_tables": 3 << 20}
+    md = report.markdown_table(res)
+    assert "Host memory above idle by kind" in md and "azqemu: anon 10.0, page tables 3.0." in md
+
+
 def test_missing_baseline_shows_a_dash() -> None:
     res = synthetic(with_extras=False)
     del res["policies"]["none"]
