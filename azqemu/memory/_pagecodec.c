@@ -39,7 +39,7 @@ enum { C_ZSTD = 0, C_XOR_T = 1, C_PREFIX_T = 2, C_XOR_S = 3, C_PREFIX_S = 4, C_L
 /* Decode methods: numbering of azqemu.memory.kinds.Method. */
 enum { M_ZSTD = 0, M_XOR = 1, M_PREFIX = 2, M_LZ4 = 3, M_LZ4_XOR = 4 };
 
-int azq_pagecodec_abi(void) { return 3; }
+int azq_pagecodec_abi(void) { return 4; }
 
 /* lz4.h (v1.9 stable API) and xxhash.h (v0.8, XXH3 stable) signatures. */
 typedef int (*lz4_compress_fn)(const char *src, char *dst, int srcSize, int dstCapacity);
@@ -284,6 +284,42 @@ int azq_page_hashes(long k, const uint8_t *base, const int64_t *row, uint64_t *k
         xxh128_hash h = xxh3_128(base + (size_t)(row ? row[i] : i) * PAGE, PAGE);
         key[i] = __builtin_bswap64(h.high64);
         check[i] = __builtin_bswap64(h.low64);
+    }
+    return 0;
+}
+
+/* 1 if the page is all zero bytes (64 bytes a step: stops at the first non-zero block). */
+static int page_is_zero(const uint8_t *p)
+{
+    for (int j = 0; j < PAGE; j += 64) {
+        uint64_t w[8];
+        memcpy(w, p + j, sizeof w);            /* no alignment assumed; plain loads at -O2 */
+        if (w[0] | w[1] | w[2] | w[3] | w[4] | w[5] | w[6] | w[7])
+            return 0;
+    }
+    return 1;
+}
+
+/*
+ * The encoder's cheap first pass (encoder.classify_cheap) over n pages (page i at
+ * pages + i*PAGE): kind[i] = k_zero for an all-zero page, else k_template if the page equals
+ * the template page of row trow[i] (compared in place at tbase + trow[i]*PAGE, no copy), else
+ * kind[i] is left as it is. A negative row (a hole, or an index past the image) stands for a
+ * zero template page, which only a zero page equals, and zero wins: such a page is never
+ * k_template. Returns 0, or -1 with nothing written if a row is not below t_rows.
+ */
+int azq_classify(long n, const uint8_t *pages, const int64_t *trow, const uint8_t *tbase, long t_rows,
+                 uint8_t *kind, int k_zero, int k_template)
+{
+    for (long i = 0; i < n; i++)
+        if (trow[i] >= t_rows)
+            return -1;
+    for (long i = 0; i < n; i++) {
+        const uint8_t *p = pages + (size_t)i * PAGE;
+        if (page_is_zero(p))
+            kind[i] = (uint8_t)k_zero;
+        else if (trow[i] >= 0 && memcmp(p, tbase + (size_t)trow[i] * PAGE, PAGE) == 0)
+            kind[i] = (uint8_t)k_template;
     }
     return 0;
 }

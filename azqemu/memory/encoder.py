@@ -1,8 +1,9 @@
 """The encoder: choose one representation per page, cheap kinds vectorised, the rest per page.
 
 Order of decisions, cheapest first:
-1. ZERO and TEMPLATE over all pages at once (numpy, pages compared as uint64 words, in chunks
-   so the template pages gathered for comparison stay small);
+1. ZERO and TEMPLATE over all pages at once (one C loop comparing the template pages in place
+   where _pagecodec.so is built; else numpy, pages compared as uint64 words, in chunks so the
+   template pages gathered for comparison stay small);
 2. one XXH3-128 per remaining page, then DUP against the template at any address, against
    the blobs already stored in the sharing domain, and within the batch; every DUP found by
    hash is confirmed byte for byte (a guest could craft XXH3 collisions);
@@ -54,6 +55,7 @@ from azqemu.memory.zstdlib import (
     F_XOR_T,
     NATIVE_LZ4,
     PageZstd,
+    classify_native,
 )
 
 # Pages per vectorised classification step: 1 MiB of pages plus as much template data, so
@@ -171,13 +173,24 @@ class EncoderOptions:
 
 def classify_cheap(page_idx: np.ndarray, pages: np.ndarray, template: TemplateImage,
                    scratch: np.ndarray | None = None) -> np.ndarray:
-    """Vectorised first pass: Kind.ZERO, Kind.TEMPLATE, or Kind.RAW meaning 'undecided'."""
+    """Vectorised first pass: Kind.ZERO, Kind.TEMPLATE, or Kind.RAW meaning 'undecided'.
+
+    In C where _pagecodec.so is built (the template pages compared in place, a zero page
+    given up at its first non-zero block), else in numpy; both give the same kinds."""
     n = len(page_idx)
     kind = np.full(n, int(Kind.RAW), dtype=np.uint8)
     if n == 0:
         return kind
+    rows = template.rows(page_idx)
+    # One reference to the mapping for the whole call (a concurrent close() swaps the
+    # attribute; this view keeps the pages mapped). A closed image has no zero row: numpy
+    # then raises as it always did.
+    tpages = template.pages_z
+    if len(tpages) > template.zero_row and classify_native(pages, rows, tpages, kind, int(Kind.ZERO),
+                                                           int(Kind.TEMPLATE)):
+        return kind
     words = pages.reshape(n, PAGE_SIZE).view(np.uint64)
-    rows_all = template.rows_z(page_idx)
+    rows_all = np.where(rows >= 0, rows, template.zero_row)      # template.rows_z
     if scratch is None or len(scratch) < CLASSIFY_CHUNK_PAGES:
         scratch = np.empty((CLASSIFY_CHUNK_PAGES, PAGE_SIZE), dtype=np.uint8)
     tw_all = scratch.view(np.uint64)
@@ -187,7 +200,7 @@ def classify_cheap(page_idx: np.ndarray, pages: np.ndarray, template: TemplateIm
         tw = tw_all[:e - s]
         # Gather the same-address template pages (holes read the zero row) into warm scratch:
         # a chunk fits in L2/L3, so gather and compare run at cache speed.
-        np.take(template.pages_z, rows_all[s:e], axis=0, out=scratch[:e - s])
+        np.take(tpages, rows_all[s:e], axis=0, out=scratch[:e - s])
         zero = ~w.any(axis=1)
         same = (w == tw).all(axis=1)
         k = kind[s:e]

@@ -89,7 +89,7 @@ _LIB = _load_libzstd()
 # The optional C loops (_pagecodec.c, built by the Makefile). Flags and choices mirror the C enums.
 F_XOR_T, F_PREFIX_T, F_XOR_S, F_PREFIX_S, F_HAS_S, F_LZ4 = 1, 2, 4, 8, 16, 32
 C_ZSTD, C_XOR_T, C_PREFIX_T, C_XOR_S, C_PREFIX_S, C_LZ4, C_LZ4_XOR_T, C_LZ4_XOR_S, C_RAW = 0, 1, 2, 3, 4, 5, 6, 7, 255
-NATIVE_ABI = 3
+NATIVE_ABI = 4
 
 
 def _xxh3_128_address() -> int:
@@ -125,6 +125,8 @@ def _load_native() -> Any | None:
         lib.azq_page_checks.argtypes = [_I, _V, _V, _V]
         lib.azq_page_hashes.restype = _I
         lib.azq_page_hashes.argtypes = [ctypes.c_long, _V, _V, _V, _V]
+        lib.azq_classify.restype = _I
+        lib.azq_classify.argtypes = [ctypes.c_long, _V, _V, _V, ctypes.c_long, _V, _I, _I]
         lib.azq_gather.restype = None
         lib.azq_gather.argtypes = [_I, _V, _V, _V]
         lib.azq_set_helpers.restype = _I
@@ -321,6 +323,27 @@ class PageZstd:
                                                 src_len.ctypes.data, method.ctypes.data, ref_addr.ctypes.data,
                                                 dst.ctypes.data, dst_row.ctypes.data,
                                                 None if chk is None else chk.ctypes.data))
+
+
+def classify_native(pages: np.ndarray, rows: np.ndarray, tpages: np.ndarray, kind: np.ndarray,
+                    k_zero: int, k_template: int) -> bool:
+    """The zero / same-address template test of ``len(kind)`` pages in C (_pagecodec.c's
+    azq_classify): ``kind[i]`` becomes ``k_zero`` for an all-zero page, else ``k_template`` if
+    the page equals ``tpages[rows[i]]`` (read in place; a negative row is a zero page), else
+    stays. False, with ``kind`` untouched, when the library is not loaded or an array is not
+    as the C loop needs it (the caller then does it in numpy)."""
+    lib = _NATIVE
+    n = len(kind)
+    if (lib is None or pages.dtype != np.uint8 or not pages.flags.c_contiguous or pages.size != n * PAGE_SIZE
+            or tpages.dtype != np.uint8 or not tpages.flags.c_contiguous or tpages.ndim != 2
+            or tpages.shape[1] != PAGE_SIZE or kind.dtype != np.uint8 or not kind.flags.c_contiguous
+            or not kind.flags.writeable or len(rows) != n):
+        return False
+    r = np.ascontiguousarray(rows, dtype=np.int64)
+    # ``tpages`` (the caller's reference, e.g. a view of the template's mapping) keeps the
+    # mapping alive for the call; ctypes releases the GIL meanwhile.
+    return int(lib.azq_classify(n, pages.ctypes.data, r.ctypes.data, tpages.ctypes.data, len(tpages),
+                                kind.ctypes.data, k_zero, k_template)) == 0
 
 
 def native_available() -> bool:
