@@ -17,7 +17,6 @@ import numpy as np
 from azqemu.host.memacct import KsmStat, read_ksm, read_zram_total
 from azqemu.host.procfs import read_meminfo
 
-
 # Where host memory in use goes, from /proc/meminfo: the density benchmark reports each above
 # idle beside host cost, so that a cost no sandbox figure shows (page tables of the guest-RAM
 # mappings, kernel objects) is seen rather than guessed at.
