@@ -48,7 +48,7 @@ import numpy as np
 from azqemu.daemon.coldrule import ColdRule, CopyHistory
 from azqemu.daemon.cpubudget import CpuBudget
 from azqemu.daemon.memstats import CompressCancelled, CompressStats, ResumeStats, TrimStats, memory_stats
-from azqemu.daemon.ramscan import RamScan
+from azqemu.daemon.ramscan import RamScan, Scratch, without_rows
 from azqemu.errors import RestoreError, StoreError
 from azqemu.host import selfmem
 from azqemu.host.pagemap import unmapped_pages
@@ -228,7 +228,7 @@ class SandboxMemory:
         return self.scan.resident_bytes()
 
     def _encode(self, parts: Iterator[tuple[np.ndarray, np.ndarray]], hot_idx: np.ndarray | None,
-                st: CompressStats | None = None) -> tuple[np.ndarray, np.ndarray]:
+                st: CompressStats | None = None, scratch: Scratch | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Encode (indices, pages) chunks into the store. Returns (stored, raw) page indices.
         ``hot_idx``: pages the next resume wants first (lazy clones: the cheap-to-decode codec).
         A failure (StoreFull, a cancel) forgets what earlier chunks encoded and raises: nothing
@@ -240,7 +240,7 @@ class SandboxMemory:
                 self._check_cancel()
                 hot = None if hot_idx is None else np.isin(part, hot_idx)
                 res = self.store.encode(self.name, self.sharing_domain, part, pages, self.template,
-                                        use_siblings=self.use_siblings, hot=hot, owner=self.owner)
+                                        use_siblings=self.use_siblings, hot=hot, owner=self.owner, scratch=scratch)
                 stored.append(res.stored_idx.astype(np.int64))
                 raw.append(res.raw_idx.astype(np.int64))
                 if st is not None:
@@ -291,18 +291,18 @@ class SandboxMemory:
             check_unchanged = self.cow and self.name in self.store.sandboxes()
             kept: list[np.ndarray] = []
             taken: list[np.ndarray] = []
-            budget = CpuBudget()
+            budget, scratch = CpuBudget(), Scratch()   # the buffers are this compression's
 
             def changed() -> Iterator[tuple[np.ndarray, np.ndarray]]:
-                for part, pages in budget.chunks(self.scan.chunks(idx), taken):
+                for part, pages in budget.chunks(self.scan.chunks(idx, scratch), taken):
                     if check_unchanged:
                         same = self._equal_to_entries(part, pages)
                         kept.append(part[same])
-                        part, pages = part[~same], pages[~same]
+                        part, pages = without_rows(part, pages, same, scratch)
                     yield part, pages
             # Copy-on-write: a resume copies back only stored pages (a few thousand, ms with
             # zstd): kept small, not fast (LZ4). Lazy clones bring back their working set.
-            enc_stored, enc_raw = self._encode(changed(), None if self.cow else hot_idx, st)
+            enc_stored, enc_raw = self._encode(changed(), None if self.cow else hot_idx, st, scratch)
             unchanged = np.concatenate(kept) if kept else np.empty(0, dtype=np.int64)
             done = np.concatenate(taken) if taken else np.empty(0, dtype=np.int64)
             st.unchanged_pages, st.budget_stopped = len(unchanged), budget.exceeded
@@ -433,12 +433,13 @@ class SandboxMemory:
             raw = np.zeros(len(idx), dtype=bool)
             same_parts: list[np.ndarray] = []
             cold_parts: list[np.ndarray] = []
+            scratch = Scratch()
 
             def classify() -> Iterator[tuple[np.ndarray, np.ndarray]]:
                 """Per chunk: note each copy's hash and age, keep aside the ones equal to
                 their entries, yield the cold written ones for encoding."""
                 at = 0
-                for part, pages in self.scan.chunks(idx):
+                for part, pages in self.scan.chunks(idx, scratch):
                     rows = slice(at, at + len(part))
                     at += len(part)
                     k, check = page_hashes(pages)
@@ -452,12 +453,11 @@ class SandboxMemory:
                     cold = ~same & ~in_use & ~raw[rows] & (now - since[rows] >= cold_after_s)
                     if cold.any():
                         cold_parts.append(part[cold])
-                        yield part[cold], pages[cold]
-            drop = np.empty(0, dtype=np.int64)
-            encoded = np.empty(0, dtype=np.int64)
+                        yield without_rows(part, pages, ~cold, scratch)
+            drop = encoded = np.empty(0, dtype=np.int64)
             try:
                 t1 = time.perf_counter()
-                stored, enc_raw = self._encode(classify(), None)
+                stored, enc_raw = self._encode(classify(), None, scratch=scratch)
                 encoded = np.concatenate(cold_parts) if cold_parts else encoded
                 st.encode_s = time.perf_counter() - t1
                 free = np.empty(0, dtype=np.int64)

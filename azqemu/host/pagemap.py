@@ -100,12 +100,15 @@ def unmapped_pages(pid: int, hva: int, page_count: int) -> np.ndarray:
     return np.flatnonzero((pm & np.uint64(PM_PRESENT | PM_SWAP)) == 0).astype(np.int64)
 
 
-def read_pages(pid: int, hva: int, page_idx: np.ndarray) -> np.ndarray:
-    """The content of pages ``page_idx`` (from ``hva``) of process ``pid``: (n, 4096) uint8.
+def read_pages(pid: int, hva: int, page_idx: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """The content of pages ``page_idx`` (from ``hva``) of process ``pid``: (n, 4096) uint8,
+    in ``out`` (C-contiguous rows, at least n) when given, else in a new array.
 
     Contiguous pages go in one iovec, up to IOV_BATCH runs per call."""
     idx = np.asarray(page_idx, dtype=np.int64)
-    pages = np.empty((len(idx), PAGE_SIZE), dtype=np.uint8)
+    pages = np.empty((len(idx), PAGE_SIZE), dtype=np.uint8) if out is None else out[:len(idx)]
+    if not pages.flags.c_contiguous or pages.shape != (len(idx), PAGE_SIZE) or pages.dtype != np.uint8:
+        raise ValueError("read_pages: out must be C-contiguous uint8 rows of a page, one per index")
     if not len(idx):
         return pages
     breaks = np.flatnonzero(np.diff(idx) != 1) + 1

@@ -42,6 +42,7 @@ from azqemu.memory.pagehash import page_hashes_rows
 from azqemu.memory.simindex import N_SAMPLES, LayeredIndex, SimilarityIndex, sample_fingerprints
 from azqemu.memory.template import TemplateImage
 from azqemu.memory.zstdlib import (
+    BOUND_BYTES,
     C_LZ4,
     C_LZ4_XOR_T,
     C_PREFIX_T,
@@ -210,10 +211,13 @@ def classify_cheap(page_idx: np.ndarray, pages: np.ndarray, template: TemplateIm
 
 
 class Encoder:
-    def __init__(self, zstd: PageZstd, options: EncoderOptions | None = None) -> None:
+    def __init__(self, zstd: PageZstd, options: EncoderOptions | None = None,
+                 scratch: dict[str, np.ndarray] | None = None) -> None:
+        """``scratch``: buffers by name that outlive this encoder (the caller's for a whole
+        compression: one ``plan`` per chunk then reuses them instead of faulting in new ones)."""
         self.zstd = zstd
         self.opt = options or EncoderOptions()
-        self._bufs: dict[str, np.ndarray] = {}
+        self._bufs: dict[str, np.ndarray] = {} if scratch is None else scratch
 
     def plan(self, page_idx: np.ndarray, pages: np.ndarray, template: TemplateImage,
              domain: DomainView | None, hot: np.ndarray | None = None) -> Plan:
@@ -296,9 +300,9 @@ class Encoder:
         return plan
 
     def _scratch(self, name: str, rows: int) -> np.ndarray:
-        buf = self._bufs.get(name)
+        buf = self._bufs.get(f"enc-{name}")
         if buf is None or len(buf) < rows:
-            buf = self._bufs[name] = np.zeros((rows, PAGE_SIZE), dtype=np.uint8)
+            buf = self._bufs[f"enc-{name}"] = np.zeros((rows, PAGE_SIZE), dtype=np.uint8)
         return buf[:rows]
 
     def _encode_unique(self, plan: Plan, pages: np.ndarray, rest: np.ndarray, key: np.ndarray,
@@ -381,7 +385,8 @@ class Encoder:
                      | (has_s & (c_p + s_cost <= budget)) * F_PREFIX_S).astype(np.uint8)
             flags[hot] = (F_LZ4 | hot_xor_t * F_XOR_T | hot_xor_s * F_XOR_S)[hot]
             res = z.encode_batch(m, up, tpages, xpages, sref, spx, flags, TINY_DELTA_BYTES, DELTA_MIN_GAIN_BYTES,
-                                 SMALL_ENOUGH_BYTES, opt.raw_threshold_bytes, lz4page.HOT_LZ4_LEVEL)
+                                 SMALL_ENOUGH_BYTES, opt.raw_threshold_bytes, lz4page.HOT_LZ4_LEVEL,
+                                 out=self._scratch("out", m + -(-m * (BOUND_BYTES - PAGE_SIZE) // PAGE_SIZE)).reshape(-1))
             if res is not None:
                 self._take_native(plan, res, uniq, prow_all, pidx, key, check, fps, s_kind, s_ref)
                 return

@@ -234,8 +234,8 @@ class PageStore(StoreWriter):
 
     # ------------------------------------------------------------------ encode
     def encode(self, sandbox: str, domain: str, page_idx: np.ndarray, pages: np.ndarray,
-               template: TemplateImage, *, use_siblings: bool = True,
-               hot: np.ndarray | None = None, owner: str | None = None) -> EncodeResult:
+               template: TemplateImage, *, use_siblings: bool = True, hot: np.ndarray | None = None,
+               owner: str | None = None, scratch: dict[str, np.ndarray] | None = None) -> EncodeResult:
         """Encode resident pages of ``sandbox`` (a member of sharing ``domain``).
 
         Pages already stored for this sandbox are replaced. Returns the counts and the page
@@ -245,7 +245,7 @@ class PageStore(StoreWriter):
         ``owner`` (the domain UUID) binds the sandbox's entries: encoding for another owner
         than the one they are bound to is refused (a reused name must be freed first).
         Raises ``StoreFull`` (nothing stored) when the arenas' file system has no room.
-        """
+        ``scratch``: the encoder's work buffers, kept by the caller across calls (encoder.Encoder)."""
         if not _NAME_OK.match(sandbox) or not _NAME_OK.match(domain):
             raise StoreError("sandbox and domain names must be 1-1024 characters without NUL")
         page_idx = np.asarray(page_idx, dtype=np.int64)
@@ -275,7 +275,7 @@ class PageStore(StoreWriter):
                 self._table.reclaim()
             opts = EncoderOptions(self._options.effort, self._options.decode_budget_us, use_siblings,
                                   self._options.raw_threshold_bytes, self._options.hot_decode_budget_us)
-            encoder = Encoder(self.zstd, opts)
+            encoder = Encoder(self.zstd, opts, scratch)
             for _attempt in range(3):
                 with self._lock:
                     old = self._sandboxes.get(sandbox)

@@ -286,10 +286,14 @@ class PageZstd:
     # -- batch loops in C (see _pagecodec.c) -------------------------------------------------
     def encode_batch(self, m: int, up: np.ndarray, tp: np.ndarray, xp: np.ndarray, sp: np.ndarray,
                      sxp: np.ndarray, flags: np.ndarray, tiny: int, gain: int, small: int, raw_limit: int,
-                     lz4_level: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
-        """Run the attempts of ``m`` pages in C: (out, off, length, choice, tries) or None on failure."""
+                     lz4_level: int = 0, out: np.ndarray | None = None,
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+        """Run the attempts of ``m`` pages in C: (out, off, length, choice, tries) or None on
+        failure. ``out``: a contiguous uint8 buffer of m * BOUND_BYTES or more for the payloads
+        (reused by the caller: the payloads are copied out before the next batch)."""
         ctx = self._ctx()
-        out = np.empty(m * BOUND_BYTES, dtype=np.uint8)
+        if out is None or out.nbytes < m * BOUND_BYTES or out.dtype != np.uint8 or not out.flags.c_contiguous:
+            out = np.empty(m * BOUND_BYTES, dtype=np.uint8)
         off = np.empty(m, dtype=np.uint32)
         length = np.empty(m, dtype=np.uint16)
         choice = np.empty(m, dtype=np.uint8)
