@@ -51,7 +51,6 @@ from azqemu.daemon.memstats import CompressCancelled, CompressStats, ResumeStats
 from azqemu.daemon.ramscan import RamScan, Scratch, without_rows
 from azqemu.errors import RestoreError, StoreError
 from azqemu.host import selfmem
-from azqemu.host.pagemap import unmapped_pages
 from azqemu.memory.crashpoint import crash_point, fail_point
 from azqemu.memory.kinds import Kind
 from azqemu.memory.pagehash import page_hashes
@@ -61,7 +60,7 @@ from azqemu.memory.template import TemplateImage
 from azqemu.pages import PAGE_SIZE, page_runs
 from azqemu.restore.export import RamMapping, UffdExport, UffdHandle
 from azqemu.restore.handler import FaultHandler
-from azqemu.restore.mapback import map_from_file
+from azqemu.restore.mapback import map_from_file, untouched_in_page_tables
 from azqemu.restore.prefetch import Prefetcher
 from azqemu.restore.source import (
     CompositeSource,
@@ -548,13 +547,13 @@ class SandboxMemory:
     def _map_unstored(self, dropped: np.ndarray | None = None) -> int:
         """Copy-on-write: map the pages neither mapped nor stored from the template's page
         cache (UFFDIO_CONTINUE) or as the zero page (holes, known zero): free for the sandbox
-        (8 bytes of page table), and the guest faults only for stored pages. The first
-        compression walks the pagemap for what was never touched; later ones map only the
-        pages just ``dropped`` (pages QEMU discarded meanwhile are mapped on first touch)."""
+        (8 bytes of page table). The first compression walks the pagemap for the untouched
+        pages in spans that have a page table (``untouched_in_page_tables``); later ones map only
+        the pages just ``dropped``; the rest are mapped on first touch."""
         if dropped is not None and self._mapped_all:
             unmapped = np.asarray(dropped, dtype=np.int64)
         else:
-            unmapped = unmapped_pages(self.handle.pid, self.block.hva, self.block.page_count)
+            unmapped = untouched_in_page_tables(self.handle.pid, self.block, dropped)
             self._mapped_all = True
         kinds = np.frombuffer(self.sources.kinds, dtype=np.uint8)[unmapped]
         from_template = unmapped[kinds == 0]

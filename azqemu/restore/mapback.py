@@ -13,10 +13,15 @@ import errno
 
 import numpy as np
 
+from azqemu.host.pagemap import unmapped_pages
 from azqemu.pages import page_runs
 from azqemu.restore import uffd as uffd_ops
 from azqemu.restore.errors import UffdIoctlError
 from azqemu.restore.export import RamMapping
+
+# One page-table page (512 eight-byte PTEs, x86-64 and arm64 with 4 KiB pages) maps 2 MiB of
+# QEMU's address space: the unit in which mapping a page costs the host memory.
+PTE_SPAN_BYTES = 2 << 20
 
 
 def map_from_file(uffd: int, block: RamMapping, page_idxs: np.ndarray, *, zero: bool = False) -> int:
@@ -49,3 +54,25 @@ def map_from_file(uffd: int, block: RamMapping, page_idxs: np.ndarray, *, zero: 
                 n = 1
             page += max(n, 1)
     return mapped
+
+
+def untouched_in_page_tables(pid: int, block: RamMapping, dropped: np.ndarray | None) -> np.ndarray:
+    """The pages of ``block`` neither present nor swapped in QEMU (process ``pid``), sorted,
+    that lie in a 2 MiB span of its address space where a page is mapped, or was a moment ago
+    (``dropped``): there a page table exists already and mapping a page costs 8 bytes.
+    Mapping every untouched page of a 512 MiB guest costs 1 MiB of page tables per sandbox,
+    host memory that no sandbox figure shows (measured at 16 sandboxes: PageTables 25.4 MiB
+    above idle under agentzip against 11.9-12.1 under the other policies); a page of an
+    untouched span is mapped on its first touch by the fault handler instead."""
+    unmapped = unmapped_pages(pid, block.hva, block.page_count)
+    if block.page_size != 4096 or not len(unmapped):
+        return unmapped
+    per_span = PTE_SPAN_BYTES // block.page_size
+    off = (block.hva // block.page_size) % per_span      # spans are aligned in the address space
+    held = np.ones(block.page_count, dtype=bool)
+    held[unmapped] = False
+    if dropped is not None:
+        held[np.asarray(dropped, dtype=np.int64)] = True
+    spans = np.zeros((off + block.page_count) // per_span + 1, dtype=bool)
+    spans[(off + np.flatnonzero(held)) // per_span] = True
+    return unmapped[spans[(off + unmapped) // per_span]]
