@@ -22,16 +22,14 @@ the pages the guest wrote (anonymous copies, told apart through /proc/PID/pagema
 them, registers the range in MISSING+MINOR mode and has QEMU drop the copies
 (MADV_DONTNEED, the export's DISCARD). Every page not in the store is then
 mapped again at once, from the template's page cache (UFFDIO_CONTINUE) or to the zero page
-(written pages that came out equal to the template's or zero, and at the first compression
-everything the guest had not touched yet): no copy, no memory of the sandbox's own, and
-the guest faults to the manager only for pages the store holds. Resume copies the hot ones
-back.
+(written pages that came out equal to the template's or zero; at the first compression the
+untouched pages in 2 MiB spans that have a page table, the rest on first touch): no copy,
+no memory of the sandbox's own. Resume copies the hot stored pages back.
 
 Known race, accepted: with the vCPUs paused, QEMU's device threads could still write guest
-RAM (DMA of a virtio device the host feeds while paused) between the scan and the punch of
-a page. azqemu's guests have no network traffic and only the agent channels, which the
-manager does not use while a sandbox is compressed; a page written in that window would
-be lost. A real fix is QEMU's dirty bitmap around the punch (a later QEMU patch).
+RAM (virtio DMA) between the scan and the punch of a page, and that write would be lost.
+azqemu's guests have no network and only the agent channels, unused while compressed.
+A real fix is QEMU's dirty bitmap around the punch (a later QEMU patch).
 """
 
 from __future__ import annotations
@@ -48,7 +46,7 @@ import numpy as np
 from azqemu.daemon.coldrule import ColdRule, CopyHistory
 from azqemu.daemon.cpubudget import CpuBudget
 from azqemu.daemon.memstats import CompressCancelled, CompressStats, ResumeStats, TrimStats, memory_stats
-from azqemu.daemon.ramscan import RamScan, Scratch, without_rows
+from azqemu.daemon.ramscan import RamScan, without_rows
 from azqemu.errors import RestoreError, StoreError
 from azqemu.host import selfmem
 from azqemu.memory.crashpoint import crash_point, fail_point
@@ -57,8 +55,8 @@ from azqemu.memory.pagehash import page_hashes
 from azqemu.memory.persist import StoreFull
 from azqemu.memory.store import PageStore
 from azqemu.memory.template import TemplateImage
-from azqemu.pages import PAGE_SIZE, page_runs
-from azqemu.restore.export import RamMapping, UffdExport, UffdHandle
+from azqemu.pages import PAGE_SIZE, Scratch, page_runs
+from azqemu.restore.export import UffdExport, UffdHandle
 from azqemu.restore.handler import FaultHandler
 from azqemu.restore.mapback import map_from_file, untouched_in_page_tables
 from azqemu.restore.prefetch import Prefetcher
@@ -106,7 +104,7 @@ class SandboxMemory:
         self._ending = threading.Event()   # a destroy's cancel: compress and trim never clear it
         self._uffd_socket = str(uffd_socket)
         self.handle: UffdHandle = UffdExport.connect(self._uffd_socket, EXPORT_CONNECT_TIMEOUT_S)
-        self.block = self._main_block(self.handle)
+        self.block = self.handle.main_block()
         self._block_index = self.handle.blocks.index(self.block)
         self.cow = self.block.private
         self.ram_fd = -1 if self.cow else self.handle.ram_fd(self.block)
@@ -160,15 +158,6 @@ class SandboxMemory:
         self.last_resume = ResumeStats()
         self.compress_s_total = 0.0
         self.restore_s_total = 0.0
-
-    @staticmethod
-    def _main_block(handle: UffdHandle) -> RamMapping:
-        blocks = [b for b in handle.blocks if "memory-backend-memfd" in b.name or "pc.ram" in b.name]
-        if len(blocks) != 1:
-            blocks = sorted(handle.blocks, key=lambda b: b.size_bytes)[-1:]
-        if not blocks:
-            raise RestoreError("the export library reported no guest RAM block")
-        return blocks[0]
 
     def _sources_for_blocks(self) -> list[PageSource]:
         # Only the main RAM block is registered; other blocks (if any) get zero sources.
@@ -424,7 +413,7 @@ class SandboxMemory:
             if not len(idx):
                 return st
             now = self._trimmed_at = time.monotonic()
-            faulted = self.handler.hot_pages(self._block_index)
+            faulted = self._faulted_from_store()
             cold_after_s = st.cold_after_s = self.cold.judge(faulted)
             prefetch_cold = now - self._resumed_at >= cold_after_s
             key = np.zeros(len(idx), dtype=np.uint64)   # a cancel may leave rows unhashed
@@ -489,6 +478,14 @@ class SandboxMemory:
             self._prefetched_idx = np.setdiff1d(self._prefetched_idx, drop, assume_unique=True)
             st.total_s = time.perf_counter() - t0
             return st
+
+    def _faulted_from_store(self) -> np.ndarray:
+        """Pages the guest came back for from the store since the last compression. A first
+        touch of an untouched page faults too (a span the first compression left unmapped) but
+        is no sign of use: counted, a file written in a tool call would never be trimmed."""
+        faulted = self.handler.hot_pages(self._block_index)
+        kinds = np.frombuffer(self.sources.kinds, dtype=np.uint8)[faulted]
+        return faulted[kinds == self.sources.index_of(self._store_src)]
 
     def state_bytes(self) -> int:
         """Manager memory held for this sandbox between operations: source map, the fault

@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 from types import TracebackType
 
+from azqemu.errors import RestoreError
+from azqemu.host.procfs import RAM_MEMFD_NAMES
 from azqemu.restore import uffd
 from azqemu.restore import uffd_abi as abi
 from azqemu.restore.errors import ExportProtocolError, ExportRefused, ExportUnavailable, UffdIoctlError
@@ -93,6 +95,15 @@ class UffdHandle:
     peer_uffd_fd: int = -1
     socket_path: str = ""
     closed: bool = field(default=False, repr=False)
+
+    def main_block(self) -> RamMapping:
+        """The guest's RAM block: the memfd backend's (or pc.ram), else the largest one."""
+        blocks = [b for b in self.blocks if any(n in b.name for n in RAM_MEMFD_NAMES)]
+        if len(blocks) != 1:
+            blocks = sorted(self.blocks, key=lambda b: b.size_bytes)[-1:]
+        if not blocks:
+            raise RestoreError("the export library reported no guest RAM block")
+        return blocks[0]
 
     # -- registration (the manager-side path, see DESIGN.md) -----------------------------
     def register(self, hva: int, size_bytes: int, *, minor: bool = False) -> int:
