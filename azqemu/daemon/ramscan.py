@@ -17,7 +17,7 @@ import numpy as np
 
 from azqemu.host.pagemap import private_pages, read_pages
 from azqemu.memory.ram import read_file_pages, resident_page_index
-from azqemu.pages import PAGE_SIZE
+from azqemu.pages import PAGE_SIZE, Scratch, scratch_rows
 
 # 2 MiB: the encoder's work buffers follow the chunk (five page arrays of its unique pages, the
 # batch codec's output), so a compression holds ~5 MiB above idle at this size, against ~25 MiB
@@ -30,17 +30,6 @@ CHUNK_PAGES = 512
 # threshold) whose pages fault in when first written: 2.8 us a page measured here, 1.45 ms
 # for each fresh 2 MiB buffer, against 0.04 ms to refill a kept one. Fresh read, compaction
 # and encoder buffers at every chunk cost ~1,700 such faults per 2 MiB of guest pages.
-Scratch = dict[str, np.ndarray]
-
-
-def scratch_rows(scratch: Scratch, name: str, rows: int) -> np.ndarray:
-    """``rows`` page rows of the buffer ``name`` of ``scratch``, made (or grown) on demand."""
-    buf = scratch.get(name)
-    if buf is None or len(buf) < rows:
-        buf = scratch[name] = np.empty((rows, PAGE_SIZE), dtype=np.uint8)
-    return buf[:rows]
-
-
 def without_rows(part: np.ndarray, pages: np.ndarray, drop: np.ndarray,
                  scratch: Scratch | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``part`` and ``pages`` less the rows where ``drop`` is true; the pages kept go into the

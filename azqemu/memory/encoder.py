@@ -58,6 +58,7 @@ from azqemu.memory.zstdlib import (
     PageZstd,
     classify_native,
 )
+from azqemu.pages import Scratch, scratch_rows
 
 # Pages per vectorised classification step: 1 MiB of pages plus as much template data, so
 # the gathered template pages are still in cache when they are compared.
@@ -212,12 +213,12 @@ def classify_cheap(page_idx: np.ndarray, pages: np.ndarray, template: TemplateIm
 
 class Encoder:
     def __init__(self, zstd: PageZstd, options: EncoderOptions | None = None,
-                 scratch: dict[str, np.ndarray] | None = None) -> None:
+                 scratch: Scratch | None = None) -> None:
         """``scratch``: buffers by name that outlive this encoder (the caller's for a whole
         compression: one ``plan`` per chunk then reuses them instead of faulting in new ones)."""
         self.zstd = zstd
         self.opt = options or EncoderOptions()
-        self._bufs: dict[str, np.ndarray] = {} if scratch is None else scratch
+        self._bufs: Scratch = {} if scratch is None else scratch
 
     def plan(self, page_idx: np.ndarray, pages: np.ndarray, template: TemplateImage,
              domain: DomainView | None, hot: np.ndarray | None = None) -> Plan:
@@ -300,10 +301,7 @@ class Encoder:
         return plan
 
     def _scratch(self, name: str, rows: int) -> np.ndarray:
-        buf = self._bufs.get(f"enc-{name}")
-        if buf is None or len(buf) < rows:
-            buf = self._bufs[f"enc-{name}"] = np.zeros((rows, PAGE_SIZE), dtype=np.uint8)
-        return buf[:rows]
+        return scratch_rows(self._bufs, f"enc-{name}", rows)
 
     def _encode_unique(self, plan: Plan, pages: np.ndarray, rest: np.ndarray, key: np.ndarray,
                        check: np.ndarray, uniq: np.ndarray, template: TemplateImage,
@@ -386,7 +384,7 @@ class Encoder:
             flags[hot] = (F_LZ4 | hot_xor_t * F_XOR_T | hot_xor_s * F_XOR_S)[hot]
             res = z.encode_batch(m, up, tpages, xpages, sref, spx, flags, TINY_DELTA_BYTES, DELTA_MIN_GAIN_BYTES,
                                  SMALL_ENOUGH_BYTES, opt.raw_threshold_bytes, lz4page.HOT_LZ4_LEVEL,
-                                 out=self._scratch("out", m + -(-m * (BOUND_BYTES - PAGE_SIZE) // PAGE_SIZE)).reshape(-1))
+                                 out=self._scratch("out", -(-m * BOUND_BYTES // PAGE_SIZE)).reshape(-1))
             if res is not None:
                 self._take_native(plan, res, uniq, prow_all, pidx, key, check, fps, s_kind, s_ref)
                 return

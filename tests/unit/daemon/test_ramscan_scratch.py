@@ -11,11 +11,11 @@ from pathlib import Path
 
 import numpy as np
 
-from azqemu.daemon.ramscan import CHUNK_PAGES, RamScan, Scratch, scratch_rows, without_rows
+from azqemu.daemon.ramscan import CHUNK_PAGES, RamScan, without_rows
 from azqemu.host.pagemap import read_pages
 from azqemu.memory.store import PageStore
 from azqemu.memory.template import TemplateImage
-from azqemu.pages import PAGE_SIZE
+from azqemu.pages import PAGE_SIZE, Scratch, scratch_rows
 
 N_PAGES = 3 * CHUNK_PAGES + 17
 
