@@ -139,6 +139,9 @@ class ExecResult(Response):
     duration_s: float
     resume_s: float = 0.0
     prefetched_pages: int = 0
+    lock_wait_s: float = Field(0.0, description="Waiting for an operation on the sandbox (a compression) to stop")
+    faults: int = Field(0, description="Page faults the manager served while the command ran")
+    trim_paused_s: float = Field(0.0, description="Time the vCPUs were paused by trims while the command ran")
 
     @property
     def stdout(self) -> bytes:

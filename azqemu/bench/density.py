@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from azqemu.bench import hostmem
+from azqemu.bench import hostmem, toolcalls
 from azqemu.bench.workload import Step, Workload
 from azqemu.client import Client
 from azqemu.errors import AzqemuError, ConfigError
@@ -58,6 +58,9 @@ class StepResult:
     resume_s: float = 0.0
     prefetched_pages: int = 0
     error: str = ""
+    lock_wait_s: float = 0.0       # the manager's parts of the call (toolcalls.py)
+    trim_paused_s: float = 0.0
+    faults: int = 0
 
 
 @dataclass
@@ -164,7 +167,9 @@ def _run_plan(c: Client, names: list[str], plan: list[list[Step]],
             with lock:
                 results.append(StepResult(i, k, step.label, r["exit_code"], latency,
                                           hashlib.sha256(out).hexdigest()[:16], r.get("resume_s", 0.0),
-                                          r.get("prefetched_pages", 0), r.get("error", "")))
+                                          r.get("prefetched_pages", 0), r.get("error", ""),
+                                          r.get("lock_wait_s", 0.0), r.get("trim_paused_s", 0.0),
+                                          r.get("faults", 0)))
             # The orchestrator now waits for its LLM: say so (the strongest phase source).
             c.phase(name, "wait")
             if stop.wait(step.wait_s):
@@ -325,6 +330,8 @@ def summarize(wl: Workload, sandboxes: int, runs: list[PolicyRun], template_byte
             "tool_latencies_s": lat,
             "failed_steps": sum(1 for st in run.steps if st.exit_code != 0),
             "steps": [st.__dict__ for st in run.steps],
+            "tool_latency_by_kind": toolcalls.by_kind([st.__dict__ for st in run.steps]),
+            "tool_call_breakdown": toolcalls.breakdown([st.__dict__ for st in run.steps]),
             "series": s,
             **{k: v for k, v in run.extra.items()
                if k not in ("compress_s_total", "restore_s_total", "compress_cpu_s_total")},

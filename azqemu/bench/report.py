@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from azqemu.bench import toolcalls
 from azqemu.errors import ConfigError
 from azqemu.units import MIB, fmt_mib
 
@@ -188,6 +189,8 @@ def markdown_table(result: dict[str, Any]) -> str:
                      "and kernel objects are in host cost, in no sandbox figure): " + "; ".join(
                          f"{n}: " + ", ".join(f"{k.replace('_', ' ')} {_mib_cell(v)}" for k, v in d.items())
                          for n, d in parts.items()) + ".")
+    if calls := toolcalls.markdown_note(result):
+        notes.append(calls)
     return "\n".join(lines + [""] + notes) + "\n"
 
 

@@ -278,6 +278,7 @@ class Lifecycle:
             # Under the lock: a compression that already passed its last phase check may be
             # pausing the sandbox right now; once it is done (or cancelled) we see its state.
             with self._locked(name, "exec") as slot:
+                lock_wait_s = time.monotonic() - t0
                 state = slot.require("exec", (State.RUNNING, State.COMPRESSED))
                 if state is State.COMPRESSED and not slot.user_paused:
                     resume = self.resume_locked(name, dom, prefetch=st.policy.prefetch if st else True)
@@ -286,14 +287,21 @@ class Lifecycle:
                 raise DomainStateError(name, dstate, "running")
             agent = GuestAgent(name, dom.agent_command)
             stdin = base64.b64decode(stdin_b64) if stdin_b64 else None
+            mem = self.memory.get(name)
+            faults0, trim0 = (mem.faults(), mem.trim_s_total) if mem is not None else (0, 0.0)
             res = agent.exec(argv, timeout_s=float(timeout_s), stdin=stdin, on_output=on_output)  # streamed if given
+            faults, trim_s = (mem.faults() - faults0, mem.trim_s_total - trim0) if mem is not None else (0, 0.0)
         finally:
             slot.exec_ended()
             if st is not None:
                 st.tracker.exec_ended()
+        # Where the call's time went, beside the guest's own run: waiting for an operation on
+        # the sandbox to stop (lock_wait_s), the resume, the trims' pauses and the faults
+        # served while the command ran (the density benchmark's breakdown per tool call).
         return {"exit_code": res.exit_code, "stdout_b64": base64.b64encode(res.stdout).decode(),
                 "stderr_b64": base64.b64encode(res.stderr).decode(), "duration_s": time.monotonic() - t0,
-                "resume_s": resume.get("resume_s", 0.0), "prefetched_pages": resume.get("prefetched_pages", 0)}
+                "resume_s": resume.get("resume_s", 0.0), "prefetched_pages": resume.get("prefetched_pages", 0),
+                "lock_wait_s": lock_wait_s, "faults": faults, "trim_paused_s": trim_s}
 
     # -- pause, compress, resume ---------------------------------------------------------
     def pause(self, name: str) -> None:

@@ -158,6 +158,7 @@ class SandboxMemory:
         self.last_resume = ResumeStats()
         self.compress_s_total = 0.0
         self.restore_s_total = 0.0
+        self.trim_s_total = 0.0
 
     def _sources_for_blocks(self) -> list[PageSource]:
         # Only the main RAM block is registered; other blocks (if any) get zero sources.
@@ -375,10 +376,12 @@ class SandboxMemory:
 
     def trim(self, stop: Callable[[], bool] | None = None) -> TrimStats:
         """``_trim``, then its freed buffers go back to the kernel, the template pages it read are forgotten."""
+        t0 = time.perf_counter()
         st = self._trim(stop)
         if st.resident_pages:
             self.template.drop_mapped()
             selfmem.trim_heap()
+        self.trim_s_total += time.perf_counter() - t0    # the vCPUs are paused all along
         return st
 
     def _trim(self, stop: Callable[[], bool] | None = None) -> TrimStats:
