@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from azqemu.bench import hostmem, toolcalls
+from azqemu.bench import hostcpu, hostmem, toolcalls
 from azqemu.bench.workload import Step, Workload
 from azqemu.client import Client
 from azqemu.errors import AzqemuError, ConfigError
@@ -232,12 +232,16 @@ def run_policy(c: Client, template: str, wl: Workload, plan: list[list[Step]], p
         sampler = _Sampler(c, names, baseline)
         sampler.start()
         progress(f"[{policy}] running the workload")
+        manager_pid = c.ping().pid
+        qemu_pids = [r.qemu_pid for r in c.list_sandboxes() if r.name in names and r.qemu_pid]
+        cpu0 = hostcpu.CpuSnapshot.take(manager_pid, qemu_pids)
         t0 = time.monotonic()
         try:
             run.steps = _run_plan(c, names, plan, progress)
         finally:
             sampler.stop()
         run.extra["run_s"] = time.monotonic() - t0
+        run.extra.update(hostcpu.CpuSnapshot.take(manager_pid, qemu_pids).since(cpu0))
         last = sampler.last
         run.extra["compress_s_total"] = float(sum(last.get(x, {}).get("compress_s_total", 0.0) for x in names))
         run.extra["restore_s_total"] = float(sum(last.get(x, {}).get("restore_s_total", 0.0) for x in names))

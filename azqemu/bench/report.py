@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from azqemu.bench import toolcalls
+from azqemu.bench import hostcpu, toolcalls
 from azqemu.errors import ConfigError
 from azqemu.units import MIB, fmt_mib
 
@@ -191,6 +191,8 @@ def markdown_table(result: dict[str, Any]) -> str:
                          for n, d in parts.items()) + ".")
     if calls := toolcalls.markdown_note(result):
         notes.append(calls)
+    if cpu := hostcpu.markdown_note(result):
+        notes.append(cpu)
     return "\n".join(lines + [""] + notes) + "\n"
 
 

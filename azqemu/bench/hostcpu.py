@@ -1,0 +1,60 @@
+"""Where the host's CPU went during one policy's run: the manager, the guests' QEMUs, the rest.
+
+On a host with more guests than cores the tool calls are as fast as the CPU the guests get:
+a policy whose manager spends CPU (compressions, trims, faults) slows every guest down by as
+much, which no part of a tool call's own time shows (toolcalls.py). Measured from outside
+the manager (psutil: /proc/stat and the processes' own times), over the workload only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+
+
+def _process_cpu_s(pid: int) -> float:
+    try:
+        t = psutil.Process(pid).cpu_times()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return 0.0
+    return float(t.user + t.system)
+
+
+@dataclass(frozen=True)
+class CpuSnapshot:
+    host_busy_s: float       # every core's non-idle time since boot (idle and iowait left out)
+    host_total_s: float
+    manager_s: float
+    qemu_s: dict[int, float]
+
+    @classmethod
+    def take(cls, manager_pid: int, qemu_pids: list[int]) -> CpuSnapshot:
+        t = psutil.cpu_times()
+        idle = t.idle + getattr(t, "iowait", 0.0)
+        # guest and guest_nice are already inside user and nice (proc(5)): not added again.
+        total = t.user + t.nice + t.system + idle + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0) \
+            + getattr(t, "steal", 0.0)
+        return cls(float(total - idle), float(total), _process_cpu_s(manager_pid),
+                   {p: _process_cpu_s(p) for p in qemu_pids})
+
+    def since(self, start: CpuSnapshot) -> dict[str, float]:
+        """CPU seconds between ``start`` and this snapshot: host busy, the manager's, the
+        QEMUs' (a QEMU that exited meanwhile counts as what it had at ``start``), and the
+        host's busy share of its cores."""
+        total = self.host_total_s - start.host_total_s
+        qemu = sum(self.qemu_s.get(p, v) - v for p, v in start.qemu_s.items())
+        busy = self.host_busy_s - start.host_busy_s
+        return {"host_cpu_busy_s": busy, "manager_cpu_s": self.manager_s - start.manager_s,
+                "qemu_cpu_s": qemu, "other_cpu_s": busy - (self.manager_s - start.manager_s) - qemu,
+                "host_cpu_busy_share": busy / total if total > 0 else float("nan")}
+
+
+def markdown_note(result: dict[str, Any]) -> str:
+    """One line: each policy's CPU over its workload (manager, QEMUs, busy share of the host)."""
+    parts = [f"{name}: manager {p['manager_cpu_s']:.1f} s, QEMUs {p['qemu_cpu_s']:.1f} s, "
+             f"host busy {p['host_cpu_busy_share']:.0%}"
+             for name, p in result["policies"].items() if "manager_cpu_s" in p]
+    return ("Host CPU over the workload (a manager's CPU is taken from the guests when they "
+            "outnumber the cores): " + "; ".join(parts) + ".") if parts else ""

@@ -1,0 +1,50 @@
+"""The host's CPU over a run, split into the manager's, the QEMUs' and the rest."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from azqemu.bench import hostcpu
+
+
+def _burn(seconds: float) -> None:
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+
+
+def test_since_counts_the_managers_and_a_child_process_cpu() -> None:
+    # A child that burns 0.3 s of CPU stands for a QEMU; this process for the manager.
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import time\nend=time.process_time()+0.3\nwhile time.process_time()<end: pass\n"
+                              "time.sleep(5)"])
+    try:
+        start = hostcpu.CpuSnapshot.take(os.getpid(), [child.pid])
+        _burn(0.2)
+        time.sleep(1.0)      # the child's burn is over by now
+        got = hostcpu.CpuSnapshot.take(os.getpid(), [child.pid]).since(start)
+    finally:
+        child.kill()
+        child.wait()
+    assert got["manager_cpu_s"] >= 0.18
+    assert 0.1 <= got["qemu_cpu_s"] <= 0.6
+    assert got["host_cpu_busy_s"] >= got["manager_cpu_s"] + got["qemu_cpu_s"] - 0.05
+    assert 0.0 < got["host_cpu_busy_share"] <= 1.0
+
+
+def test_a_process_gone_counts_what_it_had() -> None:
+    start = hostcpu.CpuSnapshot(10.0, 100.0, 1.0, {4242: 3.0})
+    end = hostcpu.CpuSnapshot(15.0, 110.0, 2.0, {})
+    got = end.since(start)
+    assert got["qemu_cpu_s"] == 0.0 and got["manager_cpu_s"] == 1.0
+    assert got["other_cpu_s"] == 4.0 and got["host_cpu_busy_share"] == 0.5
+
+
+def test_note_names_each_policy() -> None:
+    res = {"policies": {"agentzip": {"manager_cpu_s": 40.0, "qemu_cpu_s": 400.0, "host_cpu_busy_share": 0.97},
+                        "none": {}}}
+    note = hostcpu.markdown_note(res)
+    assert "agentzip: manager 40.0 s, QEMUs 400.0 s, host busy 97%" in note and "none:" not in note
