@@ -29,6 +29,17 @@ def scratch_rows(scratch: Scratch, name: str, rows: int) -> np.ndarray:
     return buf[:rows]
 
 
+def take_rows(src: np.ndarray, rows: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``src[rows]`` (page rows) into ``out``. np.take's default mode ('raise') writes
+    through a fresh temporary as large as ``out`` (numpy buffers ``out`` in that mode), which
+    costs a 2 MiB allocation, faulted in, per chunk: mode 'clip' writes in place, and the
+    bounds are checked here (one pass over the indices) so a bad row still raises."""
+    rows = np.asarray(rows)
+    if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= len(src)):
+        raise IndexError(f"row index out of range 0..{len(src) - 1}")
+    return np.take(src, rows, axis=0, out=out, mode="clip")
+
+
 def page_runs(page_idxs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Sorted unique page indices -> (run starts, run lengths)."""
     if len(page_idxs) == 0:

@@ -17,7 +17,7 @@ import numpy as np
 
 from azqemu.host.pagemap import private_pages, read_pages
 from azqemu.memory.ram import read_file_pages, resident_page_index
-from azqemu.pages import PAGE_SIZE, Scratch, scratch_rows
+from azqemu.pages import PAGE_SIZE, Scratch, scratch_rows, take_rows
 
 # 2 MiB: the encoder's work buffers follow the chunk (five page arrays of its unique pages, the
 # batch codec's output), so a compression holds ~5 MiB above idle at this size, against ~25 MiB
@@ -38,7 +38,7 @@ def without_rows(part: np.ndarray, pages: np.ndarray, drop: np.ndarray,
     if scratch is None:
         return part[keep], pages[keep]
     n = int(np.count_nonzero(keep))
-    return part[keep], np.compress(keep, pages, axis=0, out=scratch_rows(scratch, "kept", n))
+    return part[keep], take_rows(pages, np.flatnonzero(keep), scratch_rows(scratch, "kept", n))
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,7 @@ from azqemu.memory.zstdlib import (
     PageZstd,
     classify_native,
 )
-from azqemu.pages import Scratch, scratch_rows
+from azqemu.pages import Scratch, scratch_rows, take_rows
 
 # Pages per vectorised classification step: 1 MiB of pages plus as much template data, so
 # the gathered template pages are still in cache when they are compared.
@@ -202,7 +202,7 @@ def classify_cheap(page_idx: np.ndarray, pages: np.ndarray, template: TemplateIm
         tw = tw_all[:e - s]
         # Gather the same-address template pages (holes read the zero row) into warm scratch:
         # a chunk fits in L2/L3, so gather and compare run at cache speed.
-        np.take(tpages, rows_all[s:e], axis=0, out=scratch[:e - s])
+        take_rows(tpages, rows_all[s:e], scratch[:e - s])
         zero = ~w.any(axis=1)
         same = (w == tw).all(axis=1)
         k = kind[s:e]
@@ -327,14 +327,14 @@ class Encoder:
         m = len(uniq)
         prow_all = rest[uniq]
         up = self._scratch("up", m)
-        np.take(pages, prow_all, axis=0, out=up)
+        take_rows(pages, prow_all, up)
         pidx = plan.page_idx[prow_all]
         uw = up.view(np.uint64)
         # Same-address template page (holes and zero template pages give no TDELTA).
         trows = template.rows(pidx)
         has_t: np.ndarray = np.asarray(trows >= 0)     # rows are data pages: never all zero
         tpages = self._scratch("t", m)
-        np.take(template.pages_z, np.where(trows >= 0, trows, template.zero_row), axis=0, out=tpages)
+        take_rows(template.pages_z, np.where(trows >= 0, trows, template.zero_row), tpages)
         same_t = (uw == tpages.view(np.uint64)).sum(axis=1)
         do_xor_t = has_t & (same_t >= XOR_MIN_SAME_WORDS)
         xpages = self._scratch("x", m)
@@ -352,7 +352,7 @@ class Encoder:
         s_ref = cand_t.copy()
         s_cost = np.zeros(m)
         sref = self._scratch("s", m)
-        np.take(template.pages_z, template.rows_z(np.maximum(cand_t, 0)), axis=0, out=sref)
+        take_rows(template.pages_z, template.rows_z(np.maximum(cand_t, 0)), sref)
         if domain is not None:
             for i in np.flatnonzero(use_b).tolist():
                 b = int(cand_b[i])

@@ -27,6 +27,7 @@ from azqemu.memory.kinds import FLAG_REF_TEMPLATE, PAGE_SIZE, Kind
 from azqemu.memory.pagehash import ZERO_CHECK, page_hashes_rows
 from azqemu.memory.template import TemplateImage
 from azqemu.memory.zstdlib import PageZstd
+from azqemu.pages import take_rows
 
 _ZERO_ARRAY = np.zeros(PAGE_SIZE, dtype=np.uint8)
 _ZERO_ARRAY.flags.writeable = False
@@ -141,7 +142,7 @@ def write_rows(zstd: PageZstd, template: TemplateImage, page_idx: np.ndarray, ro
     src = np.full(n, template.zero_row, dtype=np.int64)
     if t_any.all():
         src = template.rows_z(np.where(m_tpl, page_idx, ref))
-        np.take(template.pages_z, src, axis=0, out=out)
+        take_rows(template.pages_z, src, out)
     elif t_any.any():
         tr = np.flatnonzero(t_any)
         src[tr] = template.rows_z(np.where(m_tpl[tr], page_idx[tr], ref[tr]))

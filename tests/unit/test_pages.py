@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from azqemu.pages import page_runs
+from azqemu.pages import PAGE_SIZE, Scratch, page_runs, scratch_rows, take_rows
 
 
 def test_page_runs() -> None:
@@ -12,3 +13,16 @@ def test_page_runs() -> None:
     assert starts.tolist() == [1, 7, 9] and lengths.tolist() == [3, 1, 2]
     starts, lengths = page_runs(np.array([], dtype=np.int64))
     assert len(starts) == 0
+
+
+def test_take_rows_gathers_in_place_and_still_refuses_a_row_out_of_range() -> None:
+    src = np.arange(6 * PAGE_SIZE, dtype=np.uint32).astype(np.uint8).reshape(6, PAGE_SIZE)
+    scratch: Scratch = {}
+    out = scratch_rows(scratch, "x", 3)
+    got = take_rows(src, np.array([5, 0, 5]), out)
+    assert got is out and np.array_equal(out, src[[5, 0, 5]])
+    assert np.shares_memory(scratch_rows(scratch, "x", 2), out)    # the same buffer, kept
+    for bad in ([6], [-1]):
+        with pytest.raises(IndexError):
+            take_rows(src, np.array(bad), out[:1])
+    assert len(take_rows(src, np.empty(0, dtype=np.int64), out[:0])) == 0
