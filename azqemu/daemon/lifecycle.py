@@ -51,7 +51,7 @@ from azqemu.errors import (
     SandboxStateError,
     StoreError,
 )
-from azqemu.host import doctor
+from azqemu.host import doctor, threads
 from azqemu.memory.crashpoint import crash_point
 from azqemu.names import validate_name
 from azqemu.restore.errors import PageUnavailable
@@ -376,7 +376,9 @@ class Lifecycle:
                 return None
             dom.suspend()
             try:
-                st = mem.trim(stop=self.memory.stop_test(name, ticket))
+                # The guest is paused in its tool call until this returns: run above the guests.
+                with threads.at_nice(threads.PAUSED_GUEST_NICE):
+                    st = mem.trim(stop=self.memory.stop_test(name, ticket))
             finally:
                 dom.resume()
             log.debug("%s: trimmed %d of %d copies in %.1f ms (paused)", name, st.dropped_pages,

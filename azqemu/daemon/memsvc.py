@@ -36,7 +36,7 @@ from azqemu.daemon.eventlog import Publish, discard
 from azqemu.daemon.sandboxmem import SandboxMemory
 from azqemu.daemon.supervisor import FaultSupervisor, SupervisedMemory
 from azqemu.errors import ConfigError, StoreCorrupt, StoreError, StoreForeign
-from azqemu.host import selfmem
+from azqemu.host import selfmem, threads
 from azqemu.memory.crashpoint import crash_point
 from azqemu.memory.persist import STORE_FILE, read_store
 from azqemu.memory.store import PageStore
@@ -82,6 +82,7 @@ class MemoryService:
         # came before the operation reached its first step (``cancel_ticket``).
         self._cancels: dict[str, int] = {}
         self._cancels_mu = threading.Lock()
+        self._compressing: dict[str, int] = {}   # sandbox -> native id of the thread compressing it
         # Compressions and resumes as events (the manager's event log).
         self.publish: Publish = discard
         # Held around a detach and a supervisor's restart of a handler.
@@ -236,9 +237,14 @@ class MemoryService:
         ``for_good`` (a destroy): every later one too (SandboxMemory.cancel)."""
         with self._cancels_mu:
             self._cancels[name] = self._cancels.get(name, 0) + 1
-        mem = self.mem.get(name)
-        if mem is not None:
-            mem.cancel(for_good=for_good)
+            mem = self.mem.get(name)
+            if mem is not None:
+                mem.cancel(for_good=for_good)
+            tid = self._compressing.get(name)
+            if tid is not None:
+                # Compressions run far below the guests; the caller (an exec, a resume, a
+                # destroy) waits for this one to stop: it does so at the guests' priority and above.
+                threads.set_nice_of(tid, threads.PAUSED_GUEST_NICE)
 
     def detach(self, name: str) -> None:
         """Stop answering for the RAM of ``name``; its pages stay in the store."""
@@ -309,7 +315,14 @@ class MemoryService:
         cpu0 = time.thread_time()
         t0 = time.perf_counter()
         try:
-            st = mem.compress(stop=self.stop_test(rec.name, ticket))
+            with threads.nice_restored():
+                with self._cancels_mu:
+                    self._compressing[rec.name] = threading.get_native_id()   # for cancel
+                try:
+                    st = mem.compress(stop=self.stop_test(rec.name, ticket))
+                finally:
+                    with self._cancels_mu:
+                        self._compressing.pop(rec.name, None)
         except BaseException as exc:
             self.publish(rec.name, "compress", "failed", reason=f"{type(exc).__name__}: {exc}",
                          duration_s=round(time.perf_counter() - t0, 6))

@@ -1,0 +1,65 @@
+"""Thread priorities: a thread's own nice value, set, raised by another thread, restored."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from azqemu.host import threads
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="lowering a nice value needs CAP_SYS_NICE")
+
+
+def _in_thread(fn: object) -> None:
+    err: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()  # type: ignore[operator]
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+            err.append(exc)
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(10)
+    if err:
+        raise err[0]
+
+
+@needs_root
+def test_at_nice_runs_the_block_at_the_value_and_gives_the_old_one_back() -> None:
+    def body() -> None:
+        threads.set_thread_nice(threads.COMPRESS_NICE)
+        with threads.at_nice(threads.PAUSED_GUEST_NICE):
+            assert threads.thread_nice() == threads.PAUSED_GUEST_NICE
+        assert threads.thread_nice() == threads.COMPRESS_NICE
+    before = threads.thread_nice()
+    _in_thread(body)
+    assert threads.thread_nice() == before          # only the helper thread changed
+
+
+@needs_root
+def test_a_canceller_raises_a_compressing_thread_which_then_gets_its_value_back() -> None:
+    tid: list[int] = []
+    raised, seen = threading.Event(), []
+
+    def compressing() -> None:
+        threads.set_thread_nice(threads.COMPRESS_NICE)
+        with threads.nice_restored():
+            tid.append(threading.get_native_id())
+            raised.wait(10)
+            seen.append(threads.thread_nice())
+        seen.append(threads.thread_nice())
+    t = threading.Thread(target=compressing)
+    t.start()
+    while not tid:
+        pass
+    assert threads.set_nice_of(tid[0], threads.PAUSED_GUEST_NICE)
+    raised.set()
+    t.join(10)
+    assert seen == [threads.PAUSED_GUEST_NICE, threads.COMPRESS_NICE]
+
+
+def test_an_unknown_thread_is_refused_without_raising() -> None:
+    assert threads.set_nice_of(2**22 + 12345, 5) is False
