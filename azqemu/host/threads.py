@@ -23,8 +23,8 @@ FAULT_HANDLER_NICE = -10
 # Compression is background work: on a small host it must not take CPU from the vCPUs of
 # sandboxes running tool calls (nor from the fault handlers). Measured at 16 sandboxes on
 # 2 cores (host 82% busy): every CPU second the manager takes shows in the guests' tool
-# calls. The lowest nice value but SCHED_IDLE, which could leave a compression unfinished for
-# a whole wait on a busy host: a compression a tool call cancels is raised first
+# calls. The lowest nice value (not SCHED_IDLE, which could leave a compression unfinished for
+# a whole wait on a busy host); a compression a tool call cancels is raised first
 # (PAUSED_GUEST_NICE), so its low priority never delays the call.
 COMPRESS_NICE = 19
 # Work a paused guest waits for (a trim in a tool call, a compression a tool call cancelled):
