@@ -311,6 +311,7 @@ def summarize(wl: Workload, sandboxes: int, runs: list[PolicyRun], template_byte
     for run in runs:
         s = run.series
         lat = [st.latency_s for st in run.steps]
+        steps = [st.__dict__ for st in run.steps]
         cost = s.get("host_cost_bytes") or [h - q for h, q in zip(s["host_used_bytes"], s["qemu_own_bytes"])]
         anon = s.get("manager_anon_bytes") or []
         idle_anon = float(run.extra.get("manager_idle_anon_bytes", 0))
@@ -333,9 +334,9 @@ def summarize(wl: Workload, sandboxes: int, runs: list[PolicyRun], template_byte
             "compress_cpu_s_total": run.extra.get("compress_cpu_s_total", 0.0),
             "tool_latencies_s": lat,
             "failed_steps": sum(1 for st in run.steps if st.exit_code != 0),
-            "steps": [st.__dict__ for st in run.steps],
-            "tool_latency_by_kind": toolcalls.by_kind([st.__dict__ for st in run.steps]),
-            "tool_call_breakdown": toolcalls.breakdown([st.__dict__ for st in run.steps]),
+            "steps": steps,
+            "tool_latency_by_kind": toolcalls.by_kind(steps),
+            "tool_call_breakdown": toolcalls.breakdown(steps),
             "series": s,
             **{k: v for k, v in run.extra.items()
                if k not in ("compress_s_total", "restore_s_total", "compress_cpu_s_total")},

@@ -53,8 +53,8 @@ def slowdown_by_kind(result: dict[str, Any], policy: str, base: str = "none-cow"
     pols = result["policies"]
     if base not in pols or policy not in pols:
         return {}
-    mine = pols[policy].get("tool_latency_by_kind") or by_kind(pols[policy].get("steps", []))
-    ref = pols[base].get("tool_latency_by_kind") or by_kind(pols[base].get("steps", []))
+    mine = pols[policy].get("tool_latency_by_kind", {})
+    ref = pols[base].get("tool_latency_by_kind", {})
     return {k: mine[k]["median_s"] / ref[k]["median_s"] for k in mine
             if k in ref and ref[k]["median_s"] > 0}
 

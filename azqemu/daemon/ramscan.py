@@ -25,11 +25,7 @@ from azqemu.pages import PAGE_SIZE, Scratch, scratch_rows, take_rows
 # (within the noise of a shared host: the per-call cost of PageStore.encode is small).
 CHUNK_PAGES = 512
 
-# A compression's (or trim's) work buffers, by name, kept from one chunk to the next and
-# dropped with the operation. A buffer of 256 KiB or more is an mmap of its own (selfmem's
-# threshold) whose pages fault in when first written: 2.8 us a page measured here, 1.45 ms
-# for each fresh 2 MiB buffer, against 0.04 ms to refill a kept one. Fresh read, compaction
-# and encoder buffers at every chunk cost ~1,700 such faults per 2 MiB of guest pages.
+
 def without_rows(part: np.ndarray, pages: np.ndarray, drop: np.ndarray,
                  scratch: Scratch | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``part`` and ``pages`` less the rows where ``drop`` is true; the pages kept go into the
