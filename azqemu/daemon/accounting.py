@@ -18,7 +18,8 @@ import psutil
 from azqemu.daemon.memsvc import MemoryService
 from azqemu.daemon.registry import Registry
 from azqemu.errors import AzqemuError, DomainNotFound
-from azqemu.host import memacct, procfs, selfmem
+from azqemu.host import memacct, pagemap, procfs, selfmem
+from azqemu.pages import PAGE_SIZE
 from azqemu.virt.clones import SandboxRecord
 from azqemu.virt.host import Domain
 
@@ -35,12 +36,10 @@ class Accounting:
         self.memory = memory
         self._qemu_own_cache: dict[str, tuple[int, float, int]] = {}
         self._manager_memory_cache: tuple[float, dict[str, int]] | None = None
+        self._ram_range: dict[str, tuple[int, int, int]] = {}     # name -> (QEMU pid, start, end)
 
     def qemu_pid(self, name: str) -> int | None:
-        try:
-            return self.reg.host.get_domain(name).qemu_pid()
-        except AzqemuError:
-            return None
+        return self.reg.host.qemu_pid(name)
 
     def resident_bytes(self, name: str) -> int | None:
         """Guest RAM the host holds for ``name`` alone (None: no such sandbox running)."""
@@ -66,8 +65,38 @@ class Accounting:
         """The host read behind ``domain_resident_bytes`` (procfs; raises when QEMU is gone)."""
         if ram_mode == "cow":
             start, end = procfs.find_guest_ram(pid, backing="ram.img")
-            return procfs.read_vma_smaps(pid, start, end).get("Anonymous", 0)
+            return pagemap.anon_page_counts(pid, start, (end - start) // PAGE_SIZE)[0] * PAGE_SIZE
         return os.stat(procfs.find_ram_fd(pid)).st_blocks * 512
+
+    @staticmethod
+    def read_host_mm() -> tuple[memacct.KsmStat, dict[str, int]]:
+        """KSM's counters and zram's totals: the host-wide part of a copy-on-write clone's
+        owned bytes (a dozen sysfs reads: once per sampling of all sandboxes, not per sandbox)."""
+        return memacct.read_ksm(), memacct.read_zram_total()
+
+    def _cow_ram(self, name: str, pid: int) -> tuple[int, int]:
+        """The hva range of a copy-on-write clone's RAM mapping, found in /proc/PID/maps once per
+        QEMU process (~1.5 ms a read): it does not move while the process lives."""
+        cached = self._ram_range.get(name)
+        if cached is not None and cached[0] == pid:
+            return cached[1], cached[2]
+        start, end = procfs.find_guest_ram(pid, backing="ram.img")
+        self._ram_range[name] = (pid, start, end)
+        return start, end
+
+    def _cow_ram_figures(self, name: str, pid: int, ksm: memacct.KsmStat) -> tuple[dict[str, int], bool]:
+        """The smaps fields of a copy-on-write clone's RAM that ``memacct.linux_owned_bytes`` reads
+        (Anonymous, KSM, Swap), and whether they came from smaps (with Pss and the rest).
+
+        While KSM holds no page anywhere no mapping has a KSM page, and the anonymous and
+        swapped copies are counted by PAGEMAP_SCAN of the RAM range alone (0.3 ms against 4 ms
+        for smaps, which prints all of QEMU's ~450 mappings: the largest CPU cost of a density
+        run's sampling at 16 sandboxes). Otherwise smaps, which counts KSM pages."""
+        start, end = self._cow_ram(name, pid)
+        if ksm.pages_shared == 0 and ksm.pages_sharing == 0:
+            present, swapped = pagemap.anon_page_counts(pid, start, (end - start) // PAGE_SIZE)
+            return {"Anonymous": present * PAGE_SIZE, "Swap": swapped * PAGE_SIZE, "KSM": 0}, False
+        return procfs.read_vma_smaps(pid, start, end), True
 
     def describe(self, rec: SandboxRecord) -> dict[str, Any]:
         """One row of ``azq list``: the record, the lifecycle state (``state``: running,
@@ -98,7 +127,8 @@ class Accounting:
         d["manager_memory"] = self.manager_memory()
         return d
 
-    def owned(self, name: str, store_overhead: float = 1.0) -> dict[str, Any]:
+    def owned(self, name: str, store_overhead: float = 1.0,
+              host_mm: tuple[memacct.KsmStat, dict[str, int]] | None = None) -> dict[str, Any]:
         """What the host spends on this sandbox alone (DESIGN.md, benchmark definitions).
 
         memfd clones (none, agentzip*): the RAM memfd's allocated pages plus the sandbox's
@@ -107,7 +137,8 @@ class Accounting:
         Copy-on-write clones (none-cow, linux): the private anonymous pages of the RAM mapping,
         minus what KSM merged plus the sandbox's share of merged pages, plus its share of
         zram's memory for what was swapped out. Template pages only mapped are the template's.
-        QEMU's own memory (process PSS minus guest RAM) is reported apart.
+        QEMU's own memory (process PSS minus guest RAM) is reported apart. ``host_mm``: KSM's
+        and zram's host-wide figures (``read_host_mm``), read once for many sandboxes.
         """
         rec = self.reg.record(name)
         pid = self.qemu_pid(name)
@@ -117,11 +148,12 @@ class Accounting:
         mem = self.memory.get(name)
         vma: dict[str, int] | None = None
         if rec.ram_mode == "cow":
-            start, end = procfs.find_guest_ram(pid, backing="ram.img")
-            vma = procfs.read_vma_smaps(pid, start, end)
-            owned: float = memacct.linux_owned_bytes(vma, memacct.read_ksm(), memacct.read_zram_total())
-            resident = vma.get("Anonymous", 0)
-            stored: float = owned - max(0, resident - vma.get("KSM", 0))
+            ksm, zram = host_mm if host_mm is not None else self.read_host_mm()
+            figures, from_smaps = self._cow_ram_figures(name, pid, ksm)
+            vma = figures if from_smaps else None        # qemu_own_bytes needs its Pss
+            owned: float = memacct.linux_owned_bytes(figures, ksm, zram)
+            resident = figures.get("Anonymous", 0)
+            stored: float = owned - max(0, resident - figures.get("KSM", 0))
             if mem is not None:  # compressed by azqemu: its pages in the store too
                 in_store = mem.stored_bytes() * store_overhead
                 stored += in_store
@@ -145,7 +177,8 @@ class Accounting:
         if cached is not None and cached[0] == pid and now - cached[1] < QEMU_OWN_REFRESH_S:
             return cached[2]
         if vma is None:
-            start, end = procfs.find_guest_ram(pid, backing="ram.img" if ram_mode == "cow" else "memfd:")
+            start, end = (self._cow_ram(name, pid) if ram_mode == "cow"
+                          else procfs.find_guest_ram(pid, backing="memfd:"))
             vma = procfs.read_vma_smaps(pid, start, end)
         value = memacct.qemu_own_bytes(procfs.read_smaps_rollup(pid), vma)
         self._qemu_own_cache[name] = (pid, now, value)
@@ -183,7 +216,9 @@ class Accounting:
         """Owned bytes of sandboxes (all by default), the store's total and the manager's
         memory: its RSS, and its parts (``manager_memory``): anon is the manager's own; file
         and shmem are shared page cache it maps (the template images, its code)."""
-        names = names if names is not None else [r.name for r in self.reg.sandboxes.list()]
+        if names is None:
+            names = [r.name for r in self.reg.sandboxes.list()]
+            self._forget_all_but(set(names))
         # The store's arenas as tmpfs holds them (dead bytes not yet punched or compacted
         # included): host memory. Those dead bytes are nobody's, so every sandbox's store
         # bytes carry their share of them (pro rata): owned figures hide nothing.
@@ -195,14 +230,22 @@ class Accounting:
             dead = max(0, tb.arena_allocated_bytes - tb.arena_live_bytes)
             overhead = 1.0 + dead / tb.total_bytes if tb.total_bytes else 1.0
         rows = {}
+        host_mm = self.read_host_mm()
         for n in names:
             try:
-                rows[n] = self.owned(n, store_overhead=overhead)
+                rows[n] = self.owned(n, store_overhead=overhead, host_mm=host_mm)
             except AzqemuError as exc:
                 rows[n] = {"name": n, "error": str(exc)}
         return {"sandboxes": rows, "store_bytes": store_bytes, "store_live_bytes": store_live,
                 "manager_rss_bytes": psutil.Process().memory_info().rss,
                 "manager_memory": self.manager_memory()}
+
+    def _forget_all_but(self, names: set[str]) -> None:
+        """Drop the per-process caches of sandboxes that are gone (a daemon that runs for weeks
+        sees many names come and go)."""
+        for cache in (self._ram_range, self._qemu_own_cache):
+            for gone in [n for n in cache if n not in names]:
+                del cache[gone]
 
     def manager_memory_cached(self, max_age_s: float = MANAGER_MEMORY_MAX_AGE_S) -> dict[str, int]:
         """``manager_memory`` read again at most every ``max_age_s`` (for ``ping``, which

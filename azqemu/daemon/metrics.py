@@ -28,6 +28,7 @@ from prometheus_client.utils import floatToGoString
 
 from azqemu.daemon.durations import COMPRESS_SECONDS, RESTORE_SECONDS
 from azqemu.errors import AzqemuError, ConfigError, DomainNotFound
+from azqemu.host.memacct import KsmStat
 from azqemu.sched.phases import TOOL, UNKNOWN, WAIT
 
 if TYPE_CHECKING:
@@ -136,6 +137,7 @@ class DaemonCollector(Collector):
         failed = 0
         records = reg.sandboxes.list()
         store_bytes, store_live, overhead = self._store()
+        host_mm = m.accounting.read_host_mm()
         for rec in records:
             st = reg.sched.get(rec.name)
             policy = st.policy.name if st is not None else rec.policy
@@ -161,7 +163,7 @@ class DaemonCollector(Collector):
             if mem is not None:
                 faults.add_metric(labels, mem.handler.stats().faults)
                 self.faults.update(mem.handler)
-            row = self._owned(rec.name, overhead) if dom_state not in FAILED_STATES else {}
+            row = self._owned(rec.name, overhead, host_mm) if dom_state not in FAILED_STATES else {}
             for k, fam in g.items():
                 fam.add_metric(labels, float(row.get(f"{k}_bytes", 0)))
         yield from g.values()
@@ -202,9 +204,9 @@ class DaemonCollector(Collector):
         overhead = 1.0 + dead / tb.total_bytes if tb.total_bytes else 1.0
         return int(tb.arena_allocated_bytes), int(tb.arena_live_bytes), overhead
 
-    def _owned(self, name: str, overhead: float) -> dict[str, Any]:
+    def _owned(self, name: str, overhead: float, host_mm: tuple[KsmStat, dict[str, int]]) -> dict[str, Any]:
         try:
-            return self.m.accounting.owned(name, store_overhead=overhead)
+            return self.m.accounting.owned(name, store_overhead=overhead, host_mm=host_mm)
         except (AzqemuError, OSError) as exc:  # a sandbox going away during the scrape
             log.debug("metrics: owned bytes of %s: %s", name, exc)
             return {}

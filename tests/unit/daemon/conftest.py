@@ -71,7 +71,7 @@ class FakeDomain:
 
 
 class FakeHost:
-    """What the daemon calls of ``virt.host.Host``: domains, get_domain, has_domain, close."""
+    """What the daemon calls of ``virt.host.Host``: domains, get_domain, has_domain, qemu_pid, close."""
 
     def __init__(self) -> None:
         self.doms: dict[str, FakeDomain] = {}
@@ -92,6 +92,10 @@ class FakeHost:
 
     def has_domain(self, name: str) -> bool:
         return name in self.doms
+
+    def qemu_pid(self, name: str) -> int | None:
+        dom = self.doms.get(name)
+        return None if dom is None else dom.qemu_pid()
 
     def close(self) -> None:
         pass

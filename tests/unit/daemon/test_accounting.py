@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from azqemu.daemon.manager import Manager
-from azqemu.host import memacct, procfs
+from azqemu.host import memacct, pagemap, procfs
 from azqemu.virt.clones import SandboxRecord
 from azqemu.virt.templates import TemplateMeta
 
@@ -99,6 +99,25 @@ def test_owned_sums_resident_and_stored_with_the_store_overhead(mgr: Manager) ->
     # A sandbox whose QEMU is not running owns nothing.
     assert (rows["down"]["owned_bytes"], rows["down"]["qemu_own_bytes"]) == (0, 0)
     assert sum(r["owned_bytes"] for r in rows.values()) == 10 * PAGE + 20 * PAGE + 3000 + linux + 4500
+
+
+def test_without_ksm_pages_a_cow_clone_is_counted_from_its_page_tables(
+        mgr: Manager, monkeypatch: pytest.MonkeyPatch) -> None:
+    """KSM holding no page anywhere: the anonymous and swapped copies are counted with
+    PAGEMAP_SCAN of the RAM range (no smaps, which prints every mapping of QEMU); the same
+    formula, with no KSM share. The RAM range is looked up once per QEMU process."""
+    monkeypatch.setattr(memacct, "read_ksm", lambda: memacct.KsmStat())
+    monkeypatch.setattr(pagemap, "anon_page_counts", lambda pid, hva, n: (10, 4))
+    smaps_reads: list[int] = []
+    maps_reads: list[int] = []
+    monkeypatch.setattr(procfs, "read_vma_smaps", lambda pid, s, e: smaps_reads.append(pid) or {"Pss": 5000})
+    monkeypatch.setattr(procfs, "find_guest_ram", lambda pid, backing=None: maps_reads.append(pid) or (0, 1 << 30))
+    row = mgr.op_owned(["c0"])["sandboxes"]["c0"]
+    assert row["resident_bytes"] == 10 * PAGE
+    assert row["owned_bytes"] == 10 * PAGE + 4 * PAGE // 4 + 4500
+    assert row["qemu_own_bytes"] == 95_000          # smaps still gives QEMU's Pss, once per refresh
+    mgr.op_owned(["c0"])
+    assert smaps_reads == [103] and maps_reads == [103]
 
 
 def test_owned_of_named_sandboxes_reports_unknown_ones_as_errors(mgr: Manager) -> None:
