@@ -48,11 +48,17 @@ log = logging.getLogger(__name__)
 Transport = Callable[[str, int], str]
 # Called with ("stdout" or "stderr", bytes) as output arrives; raising stops the command.
 OutputSink = Callable[[str, bytes], None]
+# (guest pid, timeout s) -> True: it ended; False: timed out; None: nobody watches it.
+ExitWait = Callable[[int, float], "bool | None"]
 
 # guest-exec-status is polled; start fast (short tool calls finish in milliseconds) and back
 # off so that a long command does not keep the agent, and the vCPU, busy.
 POLL_FIRST_S = 0.002
 POLL_MAX_S = 0.05
+# With an exit watch (exec's ``exit_wait``): the polls before it is used (2+4+8 ms: a short
+# command is done by then), and how long one wait lasts before the status is asked anyway.
+WAIT_FOR_EXIT_FROM_S = 0.016
+EXIT_WAIT_POLL_S = 0.5
 # libvirt's agent calls take whole seconds as their timeout.
 CALL_TIMEOUT_S = 10
 # How long exec waits for an agent that libvirt reported unresponsive before giving up.
@@ -164,8 +170,13 @@ class GuestAgent:
             time.sleep(0.05)
 
     def exec(self, argv: Sequence[str], *, timeout_s: float = 60.0, stdin: bytes | None = None,
-             env: Sequence[str] | None = None, on_output: OutputSink | None = None) -> ExecResult:
+             env: Sequence[str] | None = None, on_output: OutputSink | None = None,
+             exit_wait: ExitWait | None = None) -> ExecResult:
         """Run ``argv`` in the guest and wait for it; its exit code is returned, not raised.
+
+        ``exit_wait(pid, timeout_s)``: waits for another's word that the guest process ended
+        (True), timed out (False), or cannot tell (None: the status is polled as without it);
+        ``sched.exitwatch.ExitWatch.wait_exit``. Only when to ask the status depends on it.
 
         A command that cannot be started (not found, not executable) raises ExecError. On
         timeout the guest process is killed and AgentTimeout is raised. With ``on_output`` its
@@ -179,13 +190,22 @@ class GuestAgent:
         start = time.monotonic()
         pid = self._start(argv, self._exec_args(argv[0], list(argv[1:]), stdin, env))
         poll = POLL_FIRST_S
+        told = False        # the in-guest agent reported the end: poll fast until qemu-ga agrees
         while True:
             st = self._status(pid)
             if st.get("exited"):
                 break
-            if time.monotonic() - start > timeout_s:
+            elapsed = time.monotonic() - start
+            if elapsed > timeout_s:
                 self._kill(pid)
                 raise AgentTimeout(self.domain_name, timeout_s, f"finish {argv[0]!r}")
+            if exit_wait is not None and not told and poll >= WAIT_FOR_EXIT_FROM_S:
+                # Past the fast polls that catch short commands: wait for the agent's word.
+                got = exit_wait(pid, min(EXIT_WAIT_POLL_S, max(0.0, timeout_s - elapsed)))
+                if got:
+                    told, poll = True, POLL_FIRST_S
+                if got is not None:
+                    continue
             time.sleep(poll)
             poll = min(poll * 2, POLL_MAX_S)
         out = _decode(st.get("out-data"))

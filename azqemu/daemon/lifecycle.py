@@ -289,7 +289,8 @@ class Lifecycle:
             stdin = base64.b64decode(stdin_b64) if stdin_b64 else None
             mem = self.memory.get(name)
             faults0, trim0 = (mem.faults(), mem.trim_s_total) if mem is not None else (0, 0.0)
-            res = agent.exec(argv, timeout_s=float(timeout_s), stdin=stdin, on_output=on_output)  # streamed if given
+            res = agent.exec(argv, timeout_s=float(timeout_s), stdin=stdin, on_output=on_output,  # streamed if given
+                             exit_wait=lambda pid, t: self.reg.exits.wait_exit(name, pid, t))
             faults, trim_s = (mem.faults() - faults0, mem.trim_s_total - trim0) if mem is not None else (0, 0.0)
         finally:
             slot.exec_ended()

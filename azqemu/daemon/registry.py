@@ -2,10 +2,11 @@
 
 One ``Registry`` is shared by the daemon's services: the libvirt host, the template and
 sandbox records on disk, each sandbox's lifecycle ``Slot`` (its state, failure reason and
-the lock every operation that changes it holds; azqemu/daemon/states.py) and its scheduling
-state. A slot's state is written into the sandbox's record at every change, so a restarted
-daemon knows which sandboxes were failed (and why) or compressed. libvirt stays the truth
-about what runs (``reconcile`` makes the books agree at start).
+the lock every operation that changes it holds; azqemu/daemon/states.py), its scheduling
+state and the command ends its in-guest agent reported. A slot's state is written into the
+sandbox's record at every change, so a restarted daemon knows which sandboxes were failed
+(and why) or compressed. libvirt stays the truth about what runs (``reconcile`` makes the
+books agree at start).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from azqemu import config as config_mod
 from azqemu.daemon.states import PAUSED_BY_AZQ, Slot, SlotTable, State, parse_state
 from azqemu.errors import DomainNotFound, SandboxNotFound
 from azqemu.sched.actions import SchedState
+from azqemu.sched.exitwatch import ExitWatch
 from azqemu.virt.clones import SandboxRecord, SandboxRepo
 from azqemu.virt.host import Domain, Host
 from azqemu.virt.templates import TemplateRepo
@@ -38,6 +40,8 @@ class Registry:
         self._records_mu = threading.Lock()
         self.slots = SlotTable(on_change=self._persist_state)
         self.sched: dict[str, SchedState] = {}
+        # The ends of guest-exec'd commands the in-guest agents reported (exec waits on them).
+        self.exits = ExitWatch()
         # Told of every record change, to mirror it into the domain's <metadata> (the
         # manager's daemon/domainmeta.MetadataWriter; never blocks).
         self.on_record_change: Callable[[str], None] | None = None
@@ -141,5 +145,6 @@ class Registry:
     def forget(self, name: str) -> None:
         """Drop the scheduling state and retire the slot of a sandbox that goes away."""
         self.sched.pop(name, None)
+        self.exits.forget(name)
         self.slots.remove(name)
 

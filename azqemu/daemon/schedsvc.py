@@ -154,6 +154,7 @@ class SchedService:
         return {n: vm_paths(n, self.reg.cfg).azq_agent_socket for n in list(self.reg.sched)}
 
     def on_agent_message(self, name: str, msg: AgentMessage) -> None:
+        self.reg.exits.note(name, msg)
         st = self.reg.sched.get(name)
         if st is not None:
             st.tracker.agent_event(msg.phase)

@@ -173,3 +173,47 @@ def test_a_wrapper_that_cannot_start_the_command_is_an_exec_error() -> None:
     t = HostileAgent(guest_exec_status=lambda a: {"exited": True, "exitcode": 2, "err-data": said})
     with pytest.raises(AgentError, match="exec wrapper failed"):
         streamed(t)
+
+
+class SlowCommand(HostileAgent):
+    """qemu-ga running a command that exits after ``exits_after`` status calls."""
+
+    def __init__(self, exits_after: int) -> None:
+        super().__init__(guest_exec_status=self._status)
+        self.exits_after = exits_after
+
+    def _status(self, _args: dict[str, Any]) -> dict[str, Any]:
+        done = len(self.called("guest-exec-status")) > self.exits_after
+        return {"exited": True, "exitcode": 3} if done else {"exited": False}
+
+
+def test_with_an_exit_watch_the_status_is_asked_when_the_end_is_reported() -> None:
+    """Told the command ended, exec asks the status then (fast, until qemu-ga agrees), not
+    every 50 ms while it runs; the result is qemu-ga's."""
+    t = SlowCommand(exits_after=5)
+    waits: list[tuple[int, float]] = []
+
+    def exit_wait(pid: int, timeout_s: float) -> bool | None:
+        waits.append((pid, timeout_s))
+        return True
+    res = GuestAgent("g", t).exec(["sleep", "9"], exit_wait=exit_wait)
+    assert res.exit_code == 3
+    assert waits == [(42, agent_mod.EXIT_WAIT_POLL_S)]    # once, after the first fast polls
+    assert len(t.called("guest-exec-status")) == 6
+
+
+def test_without_word_from_the_agent_exec_polls_as_before() -> None:
+    t = SlowCommand(exits_after=8)
+    res = GuestAgent("g", t).exec(["sleep", "9"], exit_wait=lambda pid, s: None)
+    assert res.exit_code == 3 and len(t.called("guest-exec-status")) == 9
+
+
+def test_a_lost_end_report_costs_one_status_call_per_wait() -> None:
+    """The agent saw the start but its end report never comes: the status is asked after each
+    wait, and exec ends when qemu-ga says so."""
+    t = SlowCommand(exits_after=6)
+    waits: list[int] = []
+    res = GuestAgent("g", t).exec(["sleep", "9"], exit_wait=lambda pid, s: waits.append(pid) and None or False)
+    assert res.exit_code == 3
+    # Four fast polls (2, 4, 8 ms apart), then one status call per wait.
+    assert len(t.called("guest-exec-status")) == 7 and len(waits) == 3

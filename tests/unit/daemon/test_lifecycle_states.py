@@ -96,7 +96,8 @@ class FakeAgent:
     def __init__(self, name: str, _command: Any) -> None:
         self.name = name
 
-    def exec(self, argv: list[str], timeout_s: float, stdin: bytes | None = None, on_output: Any = None) -> ExecResult:
+    def exec(self, argv: list[str], timeout_s: float, stdin: bytes | None = None, on_output: Any = None,
+             exit_wait: Any = None) -> ExecResult:
         time.sleep(0.002)
         return ExecResult(0, b"ok", b"", 0.002)
 
@@ -246,7 +247,8 @@ def test_compress_is_refused_while_a_command_runs(life: Lifecycle, rreg: Recordi
     started, release = threading.Event(), threading.Event()
 
     class SlowAgent(FakeAgent):
-        def exec(self, argv: list[str], timeout_s: float, stdin: bytes | None = None, on_output: Any = None) -> ExecResult:
+        def exec(self, argv: list[str], timeout_s: float, stdin: bytes | None = None, on_output: Any = None,
+                 exit_wait: Any = None) -> ExecResult:
             started.set()
             release.wait(5)
             return ExecResult(0, b"", b"", 0.0)
@@ -513,7 +515,8 @@ def test_a_handler_stopped_with_its_memory_detached_is_left_alone(life: Lifecycl
 def test_exec_of_a_sandbox_without_agent_keeps_state_running(life: Lifecycle, rreg: RecordingRegistry,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     class NoAgent(FakeAgent):
-        def exec(self, argv: list[str], timeout_s: float, stdin: bytes | None = None, on_output: Any = None) -> ExecResult:
+        def exec(self, argv: list[str], timeout_s: float, stdin: bytes | None = None, on_output: Any = None,
+                 exit_wait: Any = None) -> ExecResult:
             raise AgentError("not connected")
 
     life.clone_batch("base", names=["n-0"])
