@@ -23,9 +23,11 @@ from azqemu.pages import PAGE_SIZE
 from azqemu.virt.clones import SandboxRecord
 from azqemu.virt.host import Domain
 
-# Reading a process's smaps walks all its mappings (~2 ms): QEMU's own memory is read again
-# only this often per sandbox, not at every sample of the process that serves page faults.
-QEMU_OWN_REFRESH_S = 10.0
+# Reading a process's smaps walks all its mappings (4 ms for a QEMU here, with its ~450
+# mappings printed and parsed): QEMU's own memory (mostly TCG's translation cache, which moves
+# slowly) is read again only this often per sandbox. At 10 s it was still 7.7 of the 18.8 s
+# the density benchmark's sampling cost the manager at 16 sandboxes (py-spy, session 12).
+QEMU_OWN_REFRESH_S = 30.0
 # The manager's memory in ``ping`` (azq daemon status) is at most this old.
 MANAGER_MEMORY_MAX_AGE_S = 1.0
 
