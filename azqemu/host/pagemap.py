@@ -11,7 +11,8 @@ deadlock for a read done under the sandbox's lock, and a page wrongly counted as
 Layout of a pagemap entry: Documentation/admin-guide/mm/pagemap.rst. Where the kernel has the
 PAGEMAP_SCAN ioctl (6.7 on), the pages are found with it instead: the kernel walks the page
 tables and returns runs of matching pages, skipping empty tables, so a 512 MiB guest with a few
-thousand copies costs a few runs instead of a 1 MiB read classified in numpy (measured below).
+thousand copies costs a few hundred runs instead of a 1 MiB read classified in numpy (0.27 ms
+against 2.1 ms here; docs/figures.md, session 12).
 """
 
 from __future__ import annotations
