@@ -115,6 +115,8 @@ def scan_regions(pid: int, hva: int, page_count: int, *, without: int, anyof: in
     global _scan_unsupported
     if _scan_unsupported:
         return None
+    if page_count <= 0:      # the kernel's EINVAL for an empty range would read as "no ioctl"
+        return np.empty((0, 3), dtype=np.int64)
     try:
         fd = os.open(f"/proc/{pid}/pagemap", os.O_RDONLY | os.O_CLOEXEC)
     except OSError as exc:
@@ -169,18 +171,18 @@ def anon_page_counts(pid: int, hva: int, page_count: int) -> tuple[int, int]:
     regions = _anon_regions(pid, hva, page_count)
     if regions is None:
         pm = read_pagemap(pid, hva, page_count)
-        anon = _anon_mask(pm, swapped=False)
-        swapped = ((pm & np.uint64(PM_SWAP)) != 0) & ((pm & np.uint64(PM_FILE_OR_SHARED_ANON)) == 0)
-        return int(np.count_nonzero(anon)), int(np.count_nonzero(swapped))
+        copies = _anon_mask(pm)
+        present = int(np.count_nonzero(copies & ((pm & np.uint64(PM_PRESENT)) != 0)))
+        return present, int(np.count_nonzero(copies)) - present
     lengths = regions[:, 1] - regions[:, 0]
     present = (regions[:, 2] & PAGE_IS_PRESENT) != 0
     return int(lengths[present].sum()), int(lengths[~present].sum())
 
 
-def _anon_mask(pm: np.ndarray, *, swapped: bool = True) -> np.ndarray:
-    """Of pagemap entries, the anonymous copies: present (or, ``swapped``, swapped out), not a
-    file page, not the shared zero page."""
-    held = (pm & np.uint64(PM_PRESENT | (PM_SWAP if swapped else 0))) != 0
+def _anon_mask(pm: np.ndarray) -> np.ndarray:
+    """Of pagemap entries, the anonymous copies: present or swapped out, not a file page, not
+    the shared zero page."""
+    held = (pm & np.uint64(PM_PRESENT | PM_SWAP)) != 0
     anon = (pm & np.uint64(PM_FILE_OR_SHARED_ANON)) == 0
     zpfn = zero_pfn()
     if zpfn:

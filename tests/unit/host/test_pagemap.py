@@ -9,6 +9,7 @@ import re
 import numpy as np
 import pytest
 
+from azqemu.host import pagemap
 from azqemu.host.pagemap import (
     PAGE_IS_FILE,
     PAGE_IS_PRESENT,
@@ -132,8 +133,12 @@ def test_many_runs_are_walked_in_several_calls() -> None:
         m.close()
 
 
-def test_the_counts_are_what_smaps_says_of_the_mapping(cow_mapping) -> None:
-    """The accounting reads anon_page_counts where it read smaps' Anonymous and Swap."""
+@pytest.mark.parametrize("scan", [True, False], ids=["ioctl", "pagemap-read"])
+def test_the_counts_are_what_smaps_says_of_the_mapping(cow_mapping, monkeypatch: pytest.MonkeyPatch,
+                                                      scan: bool) -> None:
+    """The accounting reads anon_page_counts where it read smaps' Anonymous and Swap, with the
+    ioctl and with the read of kernels without it."""
+    monkeypatch.setattr(pagemap, "_scan_unsupported", not scan)
     m = cow_mapping
     for i in range(0, PAGES, 2):
         m[i * 4096] = 9
@@ -149,3 +154,11 @@ def test_the_kernel_scan_is_used_where_the_kernel_has_it(cow_mapping) -> None:
     regions = scan_regions(os.getpid(), _addr(cow_mapping), PAGES, without=PAGE_IS_FILE,
                            anyof=PAGE_IS_PRESENT, report=PAGE_IS_PRESENT)
     assert regions is not None and regions.tolist() == [[0, 1, PAGE_IS_PRESENT]]
+
+
+def test_an_empty_range_has_no_copies_and_keeps_the_scan(cow_mapping) -> None:
+    assert private_pages(os.getpid(), _addr(cow_mapping), 0).tolist() == []
+    cow_mapping[0] = 1
+    assert _scan_and_read_agree(os.getpid(), _addr(cow_mapping), PAGES).tolist() == [0]
+    assert scan_regions(os.getpid(), _addr(cow_mapping), PAGES, without=PAGE_IS_FILE,
+                        anyof=PAGE_IS_PRESENT, report=PAGE_IS_PRESENT) is not None
