@@ -49,10 +49,10 @@ $(PLACEMENT_VENV)/.stamp: .deps.stamp
 lib: qemu-patches/libazq_uffd.so azqemu/memory/_pagecodec.so azqemu/memory/_storeview.so azqemu/restore/_faultloop.so
 qemu-patches/libazq_uffd.so: qemu-patches/azq_uffd.c .deps.stamp
 	gcc -O2 -Wall -Wextra -fPIC -shared -pthread -o $@ $<
-azqemu/memory/_pagecodec.so: azqemu/memory/_pagecodec.c .deps.stamp
+azqemu/memory/_pagecodec.so: azqemu/memory/_pagecodec.c azqemu/memory/_pagepatch.h .deps.stamp
 	gcc -O2 -Wall -Wextra -fPIC -shared -o $@ $< -l:libzstd.so.1
 # The native fault path: the store's C lookup and the fault thread (restore/native.py).
-azqemu/memory/_storeview.so: azqemu/memory/_storeview.c .deps.stamp
+azqemu/memory/_storeview.so: azqemu/memory/_storeview.c azqemu/memory/_pagepatch.h .deps.stamp
 	gcc -O2 -Wall -Wextra -fPIC -shared -pthread -o $@ $< -l:libzstd.so.1
 azqemu/restore/_faultloop.so: azqemu/restore/_faultloop.c .deps.stamp
 	gcc -O2 -Wall -Wextra -fPIC -shared -pthread -o $@ $<

@@ -18,6 +18,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_pagepatch.h"
+
 typedef struct ZSTD_CCtx_s ZSTD_CCtx;
 typedef struct ZSTD_DCtx_s ZSTD_DCtx;
 size_t ZSTD_compress2(ZSTD_CCtx *cctx, void *dst, size_t dstCapacity, const void *src, size_t srcSize);
@@ -33,13 +35,13 @@ unsigned ZSTD_isError(size_t code);
 #define BOUND (PAGE + 128)
 
 /* Attempt flags per page (set by encoder.py) and the choices reported back. */
-enum { F_XOR_T = 1, F_PREFIX_T = 2, F_XOR_S = 4, F_PREFIX_S = 8, F_HAS_S = 16, F_LZ4 = 32 };
+enum { F_XOR_T = 1, F_PREFIX_T = 2, F_XOR_S = 4, F_PREFIX_S = 8, F_HAS_S = 16, F_LZ4 = 32, F_PATCH = 64 };
 enum { C_ZSTD = 0, C_XOR_T = 1, C_PREFIX_T = 2, C_XOR_S = 3, C_PREFIX_S = 4, C_LZ4 = 5, C_LZ4_XOR_T = 6,
-       C_LZ4_XOR_S = 7, C_RAW = 255 };
+       C_LZ4_XOR_S = 7, C_PATCH_T = 8, C_PATCH_S = 9, C_RAW = 255 };
 /* Decode methods: numbering of azqemu.memory.kinds.Method. */
-enum { M_ZSTD = 0, M_XOR = 1, M_PREFIX = 2, M_LZ4 = 3, M_LZ4_XOR = 4 };
+enum { M_ZSTD = 0, M_XOR = 1, M_PREFIX = 2, M_LZ4 = 3, M_LZ4_XOR = 4, M_PATCH = 5 };
 
-int azq_pagecodec_abi(void) { return 4; }
+int azq_pagecodec_abi(void) { return 5; }
 
 /* lz4.h (v1.9 stable API) and xxhash.h (v0.8, XXH3 stable) signatures. */
 typedef int (*lz4_compress_fn)(const char *src, char *dst, int srcSize, int dstCapacity);
@@ -88,7 +90,7 @@ static long zc(ZSTD_CCtx *c, uint8_t *dst, const uint8_t *src, const uint8_t *re
 static long azq_encode_loop(ZSTD_CCtx *cctx, int m, const uint8_t *up, const uint8_t *tp, const uint8_t *xp,
                             const uint8_t *sp, const uint8_t *sxp, const uint8_t *flags,
                             long tiny, long gain, long small, long raw_limit, int lz4_level, void *hc_state,
-                            uint8_t *buf_a, uint8_t *buf_b,
+                            uint8_t *buf_a, uint8_t *buf_b, uint8_t *patch_a, uint8_t *patch_b,
                             uint8_t *out, size_t out_cap, uint32_t *out_off, uint16_t *out_len, uint8_t *choice,
                             uint64_t *tries, size_t *pos_io);
 
@@ -97,7 +99,10 @@ static long azq_encode_loop(ZSTD_CCtx *cctx, int m, const uint8_t *up, const uin
  * template page, page^template, the SDELTA reference and page^reference (rows only read when
  * the page's flags ask for them). The smallest payload is appended to out; its offset, length
  * and choice are reported (C_RAW with length 0 when even the best exceeds raw_limit).
- * tries[0..4] count zstd, xor, prefix, sdelta and lz4 attempts. Returns the bytes used in out, or
+ * tries[0..5] count zstd, xor, prefix, sdelta, lz4 and patch attempts.
+ * A page with F_PATCH and an XOR flag first gets its PATCH against that reference (the smaller of the two
+ * when both): at most `small` bytes, it is taken and no codec runs; else it is kept if it beats
+ * what the codecs make (a page without reference by `gain` bytes). Returns the bytes used in out, or
  * -1 if out is too small or zstd failed (the caller falls back to Python).
  */
 long azq_encode_batch(ZSTD_CCtx *cctx, int m, const uint8_t *up, const uint8_t *tp, const uint8_t *xp,
@@ -106,7 +111,7 @@ long azq_encode_batch(ZSTD_CCtx *cctx, int m, const uint8_t *up, const uint8_t *
                       uint8_t *out, size_t out_cap, uint32_t *out_off, uint16_t *out_len, uint8_t *choice,
                       uint64_t *tries)
 {
-    uint8_t buf_a[BOUND], buf_b[BOUND];
+    uint8_t buf_a[BOUND], buf_b[BOUND], patch_a[PATCH_MAX + 8], patch_b[PATCH_MAX + 8];
     size_t pos = 0;
     void *hc_state = NULL;
     if (lz4_level > 0) {
@@ -114,7 +119,8 @@ long azq_encode_batch(ZSTD_CCtx *cctx, int m, const uint8_t *up, const uint8_t *
             return -1;
     }
     long rc = azq_encode_loop(cctx, m, up, tp, xp, sp, sxp, flags, tiny, gain, small, raw_limit, lz4_level,
-                              hc_state, buf_a, buf_b, out, out_cap, out_off, out_len, choice, tries, &pos);
+                              hc_state, buf_a, buf_b, patch_a, patch_b, out, out_cap, out_off, out_len, choice,
+                              tries, &pos);
     free(hc_state);
     return rc < 0 ? -1 : (long)pos;
 }
@@ -122,7 +128,7 @@ long azq_encode_batch(ZSTD_CCtx *cctx, int m, const uint8_t *up, const uint8_t *
 static long azq_encode_loop(ZSTD_CCtx *cctx, int m, const uint8_t *up, const uint8_t *tp, const uint8_t *xp,
                             const uint8_t *sp, const uint8_t *sxp, const uint8_t *flags,
                             long tiny, long gain, long small, long raw_limit, int lz4_level, void *hc_state,
-                            uint8_t *buf_a, uint8_t *buf_b,
+                            uint8_t *buf_a, uint8_t *buf_b, uint8_t *patch_a, uint8_t *patch_b,
                             uint8_t *out, size_t out_cap, uint32_t *out_off, uint16_t *out_len, uint8_t *choice,
                             uint64_t *tries, size_t *pos_io)
 {
@@ -133,7 +139,29 @@ static long azq_encode_loop(ZSTD_CCtx *cctx, int m, const uint8_t *up, const uin
         long best_len = -1, limit = 0, n;
         int ch = C_ZSTD;
         uint8_t f = flags[i];
-        if (f & F_LZ4) {
+        /* PATCH against the same-address template page, then against the SDELTA reference
+         * (kept only if strictly smaller). */
+        uint8_t *pbuf = patch_a;
+        long pl = -1;
+        int pch = C_PATCH_T;
+        if ((f & F_PATCH) && (f & F_XOR_T)) {
+            pl = patch_make(up + off, xp + off, patch_a, PATCH_MAX);
+            tries[5]++;
+        }
+        if ((f & F_PATCH) && (f & F_XOR_S)) {
+            n = patch_make(up + off, sxp + off, patch_b, pl >= 0 ? pl - 1 : PATCH_MAX);
+            tries[5]++;
+            if (n >= 0) {
+                pl = n;
+                pbuf = patch_b;
+                pch = C_PATCH_S;
+            }
+        }
+        if (pl >= 0 && pl <= small) {
+            memcpy(cur, pbuf, (size_t)pl);
+            TAKE(pl, pch);
+            f = 0;
+        } else if (f & F_LZ4) {
             /* A page on the decode-cost diet (hot set): LZ4 (~5x cheaper to decode than zstd),
              * of the page, or of its XOR with the same-address template page (F_XOR_T) or with
              * the SDELTA reference (F_XOR_S); a delta must beat the page by `gain` bytes. */
@@ -202,6 +230,13 @@ static long azq_encode_loop(ZSTD_CCtx *cctx, int m, const uint8_t *up, const uin
                 }
             }
         }
+        if (pl > small) {
+            long need = (ch == C_ZSTD || ch == C_LZ4) ? best_len - gain : best_len;
+            if (best_len < 0 || pl < need) {
+                memcpy(cur, pbuf, (size_t)pl);
+                TAKE(pl, pch);
+            }
+        }
         out_off[i] = (uint32_t)pos;
         if (best_len > raw_limit) {
             choice[i] = C_RAW;
@@ -236,9 +271,12 @@ long azq_decode_batch(ZSTD_DCtx *dctx, int k, const uint8_t *src, const uint32_t
         uint8_t *dst = dst_base + (size_t)dst_row[i] * PAGE;
         const uint8_t *r = (const uint8_t *)(uintptr_t)ref[i];
         uint8_t m = method[i];
-        if (m > M_LZ4_XOR || ((m == M_XOR || m == M_PREFIX || m == M_LZ4_XOR) && r == NULL))
+        if (m > M_PATCH || ((m == M_XOR || m == M_PREFIX || m == M_LZ4_XOR) && r == NULL))
             return i;
-        if (m == M_LZ4 || m == M_LZ4_XOR) {
+        if (m == M_PATCH) {         /* against the zero page when there is no reference */
+            if (patch_apply(src + src_off[i], src_len[i], r, dst) != 0)
+                return i;
+        } else if (m == M_LZ4 || m == M_LZ4_XOR) {
             if (!lz4_decompress || src_len[i] > (uint32_t)BOUND
                 || lz4_decompress((const char *)(src + src_off[i]), (char *)dst, (int)src_len[i], PAGE) != PAGE)
                 return i;

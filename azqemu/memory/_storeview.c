@@ -31,10 +31,12 @@ unsigned ZSTD_isError(size_t code);
 
 #define PAGE 4096
 #define PAGE_SHIFT 12
+
+#include "_pagepatch.h"
 #define BOUND (PAGE + 128)
 #define ARENA_HEADER 4096
 
-int azq_storeview_abi(void) { return 1; }
+int azq_storeview_abi(void) { return 2; }
 
 /* ---------------------------------------------------------------- helpers from Python */
 typedef int (*lz4_decompress_fn)(const char *src, char *dst, int compressedSize, int dstCapacity);
@@ -77,7 +79,7 @@ typedef struct __attribute__((packed)) {
 typedef struct { uint64_t addr, capacity; } arena_slot;
 
 enum { K_ZERO = 0, K_TEMPLATE = 1, K_DUP = 2 };          /* memory/kinds.py Kind */
-enum { M_ZSTD = 0, M_XOR = 1, M_PREFIX = 2, M_LZ4 = 3, M_LZ4_XOR = 4 };
+enum { M_ZSTD = 0, M_XOR = 1, M_PREFIX = 2, M_LZ4 = 3, M_LZ4_XOR = 4, M_PATCH = 5 };
 enum { RT_NONE = 0, RT_TEMPLATE = 1, RT_BLOB = 2 };
 #define FLAG_REF_TEMPLATE 1
 
@@ -252,7 +254,10 @@ static int decode_blob(scratch *sc, const uint8_t *payload, const blob_fields *f
 {
     const uint8_t *ref = f->ref;                  /* NULL for RefType.NONE */
     uint8_t m = f->method;
-    if (m == M_LZ4 || m == M_LZ4_XOR) {
+    if (m == M_PATCH) {                           /* against the zero page when there is no reference */
+        if (patch_apply(payload, f->len, ref, dst) != 0)
+            return DEC_CORRUPT;
+    } else if (m == M_LZ4 || m == M_LZ4_XOR) {
         if (!lz4_decompress || (m == M_LZ4_XOR && !ref))
             return DEC_CORRUPT;
         if (lz4_decompress((const char *)payload, (char *)dst, (int)f->len, PAGE) != PAGE)

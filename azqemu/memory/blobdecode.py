@@ -22,7 +22,7 @@ import xxhash
 
 from azqemu.errors import ChecksumMismatch, StoreCorrupt
 from azqemu.host.threads import run_at_nice, thread_nice
-from azqemu.memory import lz4page
+from azqemu.memory import lz4page, pagepatch
 from azqemu.memory.arena import ArenaSet
 from azqemu.memory.blobtable import BlobTable
 from azqemu.memory.kinds import PAGE_SIZE, Method, RefType
@@ -35,7 +35,7 @@ _ZERO_ARRAY = np.zeros(PAGE_SIZE, dtype=np.uint8)
 _ZERO_ARRAY.flags.writeable = False
 _REFTYPE_BLOB, _REFTYPE_TEMPLATE = int(RefType.BLOB), int(RefType.TEMPLATE)
 _M_ZSTD, _M_XOR, _M_PREFIX, _M_LZ4 = int(Method.ZSTD), int(Method.XOR), int(Method.PREFIX), int(Method.LZ4)
-_M_LZ4_XOR = int(Method.LZ4_XOR)
+_M_LZ4_XOR, _M_PATCH = int(Method.LZ4_XOR), int(Method.PATCH)
 _TLS = threading.local()
 T = TypeVar("T")
 # Bulk decodes of at least this many blobs are split in two halves decoded at once, one in a
@@ -121,7 +121,9 @@ def decode_recipe(zstd: PageZstd, r: Recipe, out: np.ndarray, template: Template
         ref_page, ref_addr = _scratch()
         decode_recipe(zstd, r.base, ref_page, template, ref_addr)
     what = f"blob {r.blob}"
-    if r.method == _M_LZ4 or r.method == _M_LZ4_XOR:
+    if r.method == _M_PATCH:
+        pagepatch.apply_patch(r.payload, None if r.reftype == RefType.NONE else ref_page, out, what)
+    elif r.method == _M_LZ4 or r.method == _M_LZ4_XOR:
         lz4page.decompress_addr(r.payload, out_addr or out.ctypes.data, what)
         if r.method == _M_LZ4_XOR:
             if r.reftype == RefType.NONE:
@@ -224,7 +226,9 @@ def decode_batch(zstd: PageZstd, b: Batch, template: TemplateImage, out: np.ndar
                                                 rows.tolist())):
             what = f"blob {int(b.blobs[i])}"
             frame = bytes(payload[o:o + n])
-            if mth == _M_PREFIX:
+            if mth == _M_PATCH:
+                pagepatch.apply_patch(frame, ref_arr[i], out[dst], what)
+            elif mth == _M_PREFIX:
                 z.decompress_into(frame, out[dst], ref_arr[i], what)
             elif mth == _M_LZ4 or mth == _M_LZ4_XOR:
                 lz4page.decompress_into(frame, out[dst], what)

@@ -27,7 +27,7 @@ from typing import Protocol
 
 import numpy as np
 
-from azqemu.memory import lz4page
+from azqemu.memory import lz4page, pagepatch
 from azqemu.memory.kinds import (
     DECODE_COST_US,
     DEFAULT_DECODE_BUDGET_US,
@@ -45,11 +45,13 @@ from azqemu.memory.zstdlib import (
     BOUND_BYTES,
     C_LZ4,
     C_LZ4_XOR_T,
+    C_PATCH_T,
     C_PREFIX_T,
     C_RAW,
     C_ZSTD,
     F_HAS_S,
     F_LZ4,
+    F_PATCH,
     F_PREFIX_S,
     F_PREFIX_T,
     F_XOR_S,
@@ -92,7 +94,7 @@ SMALL_ENOUGH_BYTES = 64
 _K_ZSTD, _K_TDELTA, _K_SDELTA, _K_RAW = int(Kind.ZSTD), int(Kind.TDELTA), int(Kind.SDELTA), int(Kind.RAW)
 _K_LZ4 = int(Kind.LZ4)
 _M_ZSTD, _M_XOR, _M_PREFIX, _M_LZ4 = int(Method.ZSTD), int(Method.XOR), int(Method.PREFIX), int(Method.LZ4)
-_M_LZ4_XOR = int(Method.LZ4_XOR)
+_M_LZ4_XOR, _M_PATCH = int(Method.LZ4_XOR), int(Method.PATCH)
 _R_NONE, _R_TEMPLATE, _R_BLOB = int(RefType.NONE), int(RefType.TEMPLATE), int(RefType.BLOB)
 
 # Plan target kinds (what ``Plan.target`` holds for a page).
@@ -171,6 +173,7 @@ class EncoderOptions:
     use_siblings: bool = True
     raw_threshold_bytes: int = RAW_THRESHOLD_BYTES
     hot_decode_budget_us: float = HOT_DECODE_BUDGET_US
+    patch: bool = True          # PATCH payloads for small deltas (off: the ablation of benchmarks)
 
 
 def classify_cheap(page_idx: np.ndarray, pages: np.ndarray, template: TemplateImage,
@@ -230,7 +233,8 @@ class Encoder:
         kind = classify_cheap(page_idx, pages, template, self._scratch("classify", CLASSIFY_CHUNK_PAGES))
         target = np.zeros(n, dtype=np.uint8)
         ref = np.zeros(n, dtype=np.int64)
-        plan = Plan(page_idx, kind, target, ref, tries={"zstd": 0, "xor": 0, "prefix": 0, "sdelta": 0, "lz4": 0})
+        plan = Plan(page_idx, kind, target, ref, tries={"zstd": 0, "xor": 0, "prefix": 0, "sdelta": 0, "lz4": 0,
+                                                                   "patch": 0})
         rest = np.flatnonzero(kind == int(Kind.RAW))
         if len(rest) == 0:
             return plan
@@ -380,8 +384,9 @@ class Encoder:
                      | (try_prefix_t & (c_p <= budget)) * F_PREFIX_T
                      | has_s * F_HAS_S
                      | (do_xor_s & (c_x + s_cost <= budget)) * F_XOR_S
-                     | (has_s & (c_p + s_cost <= budget)) * F_PREFIX_S).astype(np.uint8)
-            flags[hot] = (F_LZ4 | hot_xor_t * F_XOR_T | hot_xor_s * F_XOR_S)[hot]
+                     | (has_s & (c_p + s_cost <= budget)) * F_PREFIX_S
+                     | opt.patch * F_PATCH).astype(np.uint8)
+            flags[hot] = (F_LZ4 | hot_xor_t * F_XOR_T | hot_xor_s * F_XOR_S | opt.patch * F_PATCH)[hot]
             res = z.encode_batch(m, up, tpages, xpages, sref, spx, flags, TINY_DELTA_BYTES, DELTA_MIN_GAIN_BYTES,
                                  SMALL_ENOUGH_BYTES, opt.raw_threshold_bytes, lz4page.HOT_LZ4_LEVEL,
                                  out=self._scratch("out", -(-m * BOUND_BYTES // PAGE_SIZE)).reshape(-1))
@@ -395,7 +400,7 @@ class Encoder:
                      pidx: np.ndarray, key: np.ndarray, check: np.ndarray, fps: np.ndarray, s_kind: np.ndarray,
                      s_ref: np.ndarray) -> None:
         out, off, length, choice, tries = res
-        for name, v in zip(("zstd", "xor", "prefix", "sdelta", "lz4"), tries.tolist()):
+        for name, v in zip(("zstd", "xor", "prefix", "sdelta", "lz4", "patch"), tries.tolist()):
             plan.tries[name] += int(v)
         raw = choice == C_RAW
         plan.kind[prow_all[raw]] = _K_RAW
@@ -404,12 +409,13 @@ class Encoder:
             return
         ch = choice[keep].astype(np.int64)
         # choice -> (kind, method, reftype, ref), vectorised
-        k_of = np.array([_K_ZSTD, _K_TDELTA, _K_TDELTA, _K_SDELTA, _K_SDELTA, _K_LZ4, _K_TDELTA, _K_SDELTA],
-                        dtype=np.uint8)
-        m_of = np.array([_M_ZSTD, _M_XOR, _M_PREFIX, _M_XOR, _M_PREFIX, _M_LZ4, _M_LZ4_XOR, _M_LZ4_XOR], dtype=np.uint8)
+        k_of = np.array([_K_ZSTD, _K_TDELTA, _K_TDELTA, _K_SDELTA, _K_SDELTA, _K_LZ4, _K_TDELTA, _K_SDELTA,
+                         _K_TDELTA, _K_SDELTA], dtype=np.uint8)
+        m_of = np.array([_M_ZSTD, _M_XOR, _M_PREFIX, _M_XOR, _M_PREFIX, _M_LZ4, _M_LZ4_XOR, _M_LZ4_XOR,
+                         _M_PATCH, _M_PATCH], dtype=np.uint8)
         s_rt = np.where(s_kind[keep] == 1, _R_TEMPLATE, _R_BLOB)
         no_ref = (ch == C_ZSTD) | (ch == C_LZ4)
-        same_t = (ch <= C_PREFIX_T) | (ch == C_LZ4_XOR_T)
+        same_t = (ch <= C_PREFIX_T) | (ch == C_LZ4_XOR_T) | (ch == C_PATCH_T)
         reftype = np.select([no_ref, same_t], [_R_NONE, _R_TEMPLATE], s_rt).astype(np.uint8)
         ref = np.select([no_ref, same_t], [0, pidx[keep]], s_ref[keep]).astype(np.int64)
         rows = uniq[keep]
@@ -449,9 +455,28 @@ class Encoder:
         new_rows: list[int] = []
         meta: list[tuple[int, int, int]] = []
         payloads: list[bytes] = []
+        make_patch, patch_max = pagepatch.make_patch, pagepatch.PATCH_MAX_BYTES
         for i in range(m):
             off = i * PAGE_SIZE
-            if hot_l[i]:
+            # PATCH against the same-address template page, then the SDELTA reference (kept
+            # only if strictly smaller): small enough, it is taken and no codec runs.
+            xor_t = hot_xor_t_l[i] if hot_l[i] else (do_xor_t_l[i] and xor_ok)
+            xor_s = hot_xor_s_l[i] if hot_l[i] else (do_xor_s_l[i] and c_x + s_cost_l[i] <= budget)
+            patch, patch_meta = None, (0, 0, 0, 0)
+            if xor_t and opt.patch:
+                patch = make_patch(up[i], xpages[i], patch_max)
+                patch_meta = (_K_TDELTA, _M_PATCH, _R_TEMPLATE, pidx_l[i])
+                tries["patch"] += 1
+            if xor_s and opt.patch:
+                pay_s = make_patch(up[i], spx[i], len(patch) - 1 if patch is not None else patch_max)
+                tries["patch"] += 1
+                if pay_s is not None:
+                    patch = pay_s
+                    patch_meta = (_K_SDELTA, _M_PATCH, _R_TEMPLATE if s_kind_l[i] == 1 else _R_BLOB, s_ref_l[i])
+            if patch is not None and len(patch) <= SMALL_ENOUGH_BYTES:
+                best = patch
+                b_kind, b_method, b_reftype, b_ref = patch_meta
+            elif hot_l[i]:
                 # Hot: LZ4 of the page, or of an XOR delta that beats it by the gain (as in C).
                 best = lz4(base_up + off, level)
                 tries["lz4"] += 1
@@ -505,6 +530,12 @@ class Encoder:
                         if len(pay) < limit:
                             best, limit = pay, len(pay)
                             b_kind, b_method, b_reftype, b_ref = _K_SDELTA, _M_PREFIX, rt, s_ref_l[i]
+            if patch is not None and len(patch) > SMALL_ENOUGH_BYTES:
+                # Kept if it beats the codecs (a payload without reference by the gain).
+                no_ref = b_method in (_M_ZSTD, _M_LZ4)
+                if len(patch) < len(best) - (DELTA_MIN_GAIN_BYTES if no_ref else 0):
+                    best = patch
+                    b_kind, b_method, b_reftype, b_ref = patch_meta
             prow = prow_l[i]
             if len(best) > raw_limit:
                 kind[prow] = _K_RAW

@@ -483,7 +483,7 @@ def validate_generation(path: Path, table: BlobTable, arenas: ArenaSet,
     live = rows["refcount"] > 0
     lv = rows[live]
     if len(lv):
-        if (lv["method"] > int(Method.LZ4_XOR)).any() or (lv["reftype"] > 2).any():
+        if (lv["method"] > int(Method.PATCH)).any() or (lv["reftype"] > 2).any():
             raise StoreCorrupt(str(path), "unknown blob method or reference type")
         if (lv["length"] == 0).any() or (lv["length"] > PAGE_SIZE + 128).any():
             raise StoreCorrupt(str(path), "blob length out of bounds")

@@ -42,6 +42,7 @@ class Method(enum.IntEnum):
     PREFIX = 2        # zstd frame compressed with the reference page as raw-content prefix
     LZ4 = 3           # LZ4 block of the page (no reference)
     LZ4_XOR = 4       # LZ4 block of (page XOR reference)
+    PATCH = 5         # the byte runs where the page differs from the reference (pagepatch.py)
 
 
 class RefType(enum.IntEnum):
@@ -62,7 +63,8 @@ ENTRY_DTYPE = np.dtype([("page_idx", "<u4"), ("kind", "u1"), ("flags", "u1"), ("
 # Decode cost model in microseconds per page, measured on the development machine
 # (EPYC under a hypervisor, tests/perf/test_codec_perf.py). The encoder refuses a
 # representation whose estimated decode cost exceeds the budget.
-DECODE_COST_US = {Method.ZSTD: 6.0, Method.XOR: 7.0, Method.PREFIX: 7.5, Method.LZ4: 1.3, Method.LZ4_XOR: 1.6}
+DECODE_COST_US = {Method.ZSTD: 6.0, Method.XOR: 7.0, Method.PREFIX: 7.5, Method.LZ4: 1.3, Method.LZ4_XOR: 1.6,
+                  Method.PATCH: 0.5}
 DEFAULT_DECODE_BUDGET_US = 20.0
 # Hot pages (touched since the last resume: the next resume prefetches them before the vCPUs
 # continue, and the rest of them fault first) get this budget instead: only LZ4 fits among the

@@ -29,7 +29,7 @@ from azqemu.memory.pagehash import ZERO_CHECK
 from azqemu.memory.sbxindex import SandboxIndex
 from azqemu.memory.template import TemplateImage
 
-ABI = 1
+ABI = 2
 _V, _U64, _I = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int
 # The packed row the C side reads (blob_row in _storeview.c): checked against BLOB_DTYPE at load.
 _C_BLOB_OFFSETS = {"key": 0, "check": 8, "offset": 16, "ref": 20, "refcount": 24, "arena": 28, "length": 30,

@@ -26,6 +26,7 @@ Entries are bound to an owner (the domain UUID of the sandbox, ``encode(owner=)`
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -273,8 +274,7 @@ class PageStore(StoreWriter):
                 if d.template_id != template.template_id:
                     raise StoreError(f"domain {domain!r} is bound to another template")
                 self._table.reclaim()
-            opts = EncoderOptions(self._options.effort, self._options.decode_budget_us, use_siblings,
-                                  self._options.raw_threshold_bytes, self._options.hot_decode_budget_us)
+            opts = dataclasses.replace(self._options, use_siblings=use_siblings)
             encoder = Encoder(self.zstd, opts, scratch)
             for _attempt in range(3):
                 with self._lock:

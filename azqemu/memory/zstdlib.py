@@ -87,9 +87,10 @@ def _load_libzstd() -> Any | None:
 _LIB = _load_libzstd()
 
 # The optional C loops (_pagecodec.c, built by the Makefile). Flags and choices mirror the C enums.
-F_XOR_T, F_PREFIX_T, F_XOR_S, F_PREFIX_S, F_HAS_S, F_LZ4 = 1, 2, 4, 8, 16, 32
-C_ZSTD, C_XOR_T, C_PREFIX_T, C_XOR_S, C_PREFIX_S, C_LZ4, C_LZ4_XOR_T, C_LZ4_XOR_S, C_RAW = 0, 1, 2, 3, 4, 5, 6, 7, 255
-NATIVE_ABI = 4
+F_XOR_T, F_PREFIX_T, F_XOR_S, F_PREFIX_S, F_HAS_S, F_LZ4, F_PATCH = 1, 2, 4, 8, 16, 32, 64
+(C_ZSTD, C_XOR_T, C_PREFIX_T, C_XOR_S, C_PREFIX_S, C_LZ4, C_LZ4_XOR_T, C_LZ4_XOR_S, C_PATCH_T, C_PATCH_S,
+ C_RAW) = 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 255
+NATIVE_ABI = 5
 
 
 def _xxh3_128_address() -> int:
@@ -297,7 +298,7 @@ class PageZstd:
         off = np.empty(m, dtype=np.uint32)
         length = np.empty(m, dtype=np.uint16)
         choice = np.empty(m, dtype=np.uint8)
-        tries = np.zeros(5, dtype=np.uint64)
+        tries = np.zeros(6, dtype=np.uint64)
         flags = np.ascontiguousarray(flags, dtype=np.uint8)
         assert self.native is not None
         used = self.native.azq_encode_batch(

@@ -269,6 +269,12 @@ def create_template(host: Host, repo: TemplateRepo, name: str, *, mem_mib: int =
         if repo.exists(name):
             raise TemplateExists(name)
         os.rename(work, repo.dir(name))
+        # The working copy now, not at the first clone: that clone would pay the copy (and a
+        # density run's first policy would count the template's tmpfs pages as its own).
+        try:
+            repo.ram_path(name)
+        except OSError as exc:
+            log.warning("template %s: no working copy on tmpfs yet (%s): the first clone makes it", name, exc)
         return meta
     finally:
         if dom is not None:

@@ -45,13 +45,15 @@ def test_hot_pages_become_lz4_and_decode_exactly(store_dir, small_set, small_tem
         res = store.encode("a", "d", idx, pages, small_template, hot=hot)
         assert res.pages["LZ4"] > 0 and res.bytes["LZ4"] > 0 and res.tries["lz4"] >= res.pages["LZ4"]
         kinds = store.page_kinds("a", idx)
-        # Codec pages that are hot decode with LZ4 (LZ4 kind, or deltas by LZ4_XOR); cold never.
+        # Codec pages that are hot decode with LZ4 (LZ4 kind, or deltas by LZ4_XOR) or are
+        # patches (cheaper still); cold never LZ4.
         assert not (kinds[~hot] == int(Kind.LZ4)).any() and not (kinds[hot] == int(Kind.ZSTD)).any()
         methods = _methods(store, "a", idx)
         fresh = np.isin(kinds, (int(Kind.TDELTA), int(Kind.SDELTA), int(Kind.LZ4)))
-        assert np.isin(methods[hot & fresh], (int(Method.LZ4), int(Method.LZ4_XOR))).all()
+        assert np.isin(methods[hot & fresh], (int(Method.LZ4), int(Method.LZ4_XOR), int(Method.PATCH))).all()
         assert not np.isin(methods[~hot & fresh], (int(Method.LZ4), int(Method.LZ4_XOR))).any()
         assert (methods[hot & fresh] == int(Method.LZ4_XOR)).any()      # some deltas survive
+        assert (methods[hot & fresh] == int(Method.PATCH)).any() and (methods[~hot & fresh] == int(Method.PATCH)).any()
         stored = store.stored_pages("a")
         want = pages[np.searchsorted(idx, stored)]
         np.testing.assert_array_equal(store.decode("a", stored), want)

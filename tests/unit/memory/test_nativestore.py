@@ -11,7 +11,7 @@ import pytest
 
 from azqemu.errors import ChecksumMismatch, StoreError
 from azqemu.memory import nativestore
-from azqemu.memory.kinds import PAGE_SIZE
+from azqemu.memory.kinds import PAGE_SIZE, Method
 from azqemu.memory.nativestore import DEC_NOT_STORED, DEC_OK
 from azqemu.memory.store import PageStore
 
@@ -56,6 +56,7 @@ def test_every_page_decodes_as_the_python_path_does(store, small_set, small_temp
             refs = sb.index.ref[(sb.index.flags & 1) == 0]
             methods |= set(store._table.rows["method"][refs].tolist())
     assert len(methods) >= 3, methods      # zstd, a delta method and LZ4 at least
+    assert int(Method.PATCH) in methods, methods
 
 
 def test_views_follow_discard_free_and_a_new_encode(store, small_set, small_template) -> None:
