@@ -301,6 +301,13 @@ long azq_decode_batch(ZSTD_DCtx *dctx, int k, const uint8_t *src, const uint32_t
     return -1;
 }
 
+/* One PATCH payload onto ref (the zero page if NULL) into dst: 0, or -1 if malformed. The
+ * single-page decode (blobdecode.decode_recipe: DUP confirmations, SDELTA bases) calls it. */
+int azq_patch_apply(const uint8_t *src, uint32_t len, const uint8_t *ref, uint8_t *dst)
+{
+    return patch_apply(src, len, ref, dst);
+}
+
 /* Checksums of k pages at base + row[i]*PAGE (XXH3 must be set). */
 int azq_page_checks(int k, const uint8_t *base, const int64_t *row, uint64_t *out)
 {

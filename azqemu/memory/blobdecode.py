@@ -122,7 +122,11 @@ def decode_recipe(zstd: PageZstd, r: Recipe, out: np.ndarray, template: Template
         decode_recipe(zstd, r.base, ref_page, template, ref_addr)
     what = f"blob {r.blob}"
     if r.method == _M_PATCH:
-        pagepatch.apply_patch(r.payload, None if r.reftype == RefType.NONE else ref_page, out, what)
+        if zstd.native is not None:
+            zstd.patch_apply_addr(r.payload, 0 if r.reftype == RefType.NONE else (ref_addr or ref_page.ctypes.data),
+                                  out_addr or out.ctypes.data, what)
+        else:
+            pagepatch.apply_patch(r.payload, None if r.reftype == RefType.NONE else ref_page, out, what)
     elif r.method == _M_LZ4 or r.method == _M_LZ4_XOR:
         lz4page.decompress_addr(r.payload, out_addr or out.ctypes.data, what)
         if r.method == _M_LZ4_XOR:

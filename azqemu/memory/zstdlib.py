@@ -124,6 +124,8 @@ def _load_native() -> Any | None:
         lib.azq_decode_batch.argtypes = [_V, _I, _V, _V, _V, _V, _V, _V, _V, _V]
         lib.azq_page_checks.restype = _I
         lib.azq_page_checks.argtypes = [_I, _V, _V, _V]
+        lib.azq_patch_apply.restype = _I
+        lib.azq_patch_apply.argtypes = [_V, ctypes.c_uint32, _V, _V]
         lib.azq_page_hashes.restype = _I
         lib.azq_page_hashes.argtypes = [ctypes.c_long, _V, _V, _V, _V]
         lib.azq_classify.restype = _I
@@ -283,6 +285,13 @@ class PageZstd:
             raise StoreCorrupt(what, "undecodable zstd frame" if lib.ZSTD_isError(n)
                                else f"frame decodes to {n} bytes, not a page")
 
+
+    def patch_apply_addr(self, payload: bytes, ref_addr: int, out_addr: int, what: str = "page") -> None:
+        """A PATCH payload onto the page at ``ref_addr`` (0: the zero page) into ``out_addr``,
+        in C (the native library must be loaded)."""
+        assert self.native is not None
+        if self.native.azq_patch_apply(payload, len(payload), ref_addr or None, out_addr) != 0:
+            raise StoreCorrupt(what, "malformed PATCH payload")
 
     # -- batch loops in C (see _pagecodec.c) -------------------------------------------------
     def encode_batch(self, m: int, up: np.ndarray, tp: np.ndarray, xp: np.ndarray, sp: np.ndarray,
