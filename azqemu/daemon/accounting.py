@@ -24,9 +24,11 @@ from azqemu.virt.clones import SandboxRecord
 from azqemu.virt.host import Domain
 
 # Reading a process's smaps walks all its mappings (4 ms for a QEMU here, with its ~450
-# mappings printed and parsed): QEMU's own memory (mostly TCG's translation cache, which moves
-# slowly) is read again only this often per sandbox. At 10 s it was still 7.7 of the 18.8 s
-# the density benchmark's sampling cost the manager at 16 sandboxes (py-spy, session 12).
+# mappings printed and parsed): QEMU's own PSS is read again only this often per sandbox (at
+# 10 s it was still 7.7 of the 18.8 s the density benchmark's sampling cost the manager at 16
+# sandboxes, py-spy, session 12). Between two reads the figure follows QEMU's anonymous memory
+# outside guest RAM (RssAnon minus the RAM's copies: a counter), where TCG's translation cache
+# grows: a stale figure had put up to 400 MiB of it into the first minute's host cost.
 QEMU_OWN_REFRESH_S = 30.0
 # The manager's memory in ``ping`` (azq daemon status) is at most this old.
 MANAGER_MEMORY_MAX_AGE_S = 1.0
@@ -36,7 +38,8 @@ class Accounting:
     def __init__(self, registry: Registry, memory: MemoryService) -> None:
         self.reg = registry
         self.memory = memory
-        self._qemu_own_cache: dict[str, tuple[int, float, int]] = {}
+        # name -> (QEMU pid, when its PSS was read, own bytes then, anonymous bytes outside RAM then)
+        self._qemu_own_cache: dict[str, tuple[int, float, int, int | None]] = {}
         self._manager_memory_cache: tuple[float, dict[str, int]] | None = None
         self._ram_range: dict[str, tuple[int, int, int]] = {}     # name -> (QEMU pid, start, end)
 
@@ -166,24 +169,34 @@ class Accounting:
             stored = mem.stored_bytes() * store_overhead if mem is not None else 0.0
             owned = resident + stored
         return out | {"owned_bytes": int(owned), "resident_bytes": int(resident), "stored_bytes": int(stored),
-                      "qemu_own_bytes": self.qemu_own_bytes(name, pid, rec.ram_mode, vma),
+                      "qemu_own_bytes": self.qemu_own_bytes(name, pid, rec.ram_mode, vma,
+                                                            ram_anon_bytes=int(resident) if rec.ram_mode == "cow" else 0),
                       "compress_s_total": mem.compress_s_total if mem else 0.0,
                       "compress_cpu_s_total": self.memory.compress_cpu_s.get(name, 0.0),
                       "compress_encoded_bytes_total": self.memory.compress_encoded_bytes.get(name, 0),
                       "restore_s_total": mem.restore_s_total if mem else 0.0}
 
-    def qemu_own_bytes(self, name: str, pid: int, ram_mode: str, vma: dict[str, int] | None) -> int:
-        """QEMU's memory minus guest RAM, refreshed every QEMU_OWN_REFRESH_S."""
+    def qemu_own_bytes(self, name: str, pid: int, ram_mode: str, vma: dict[str, int] | None,
+                       ram_anon_bytes: int = 0) -> int:
+        """QEMU's memory minus guest RAM: its PSS read every QEMU_OWN_REFRESH_S, moved in
+        between by the change of its anonymous memory outside guest RAM (``ram_anon_bytes``:
+        the RAM's anonymous copies now; a memfd's RAM is shared memory, never anonymous)."""
         now = time.monotonic()
+        try:
+            anon_outside = procfs.read_rss_anon(pid) - ram_anon_bytes
+        except (OSError, AzqemuError):
+            anon_outside = None
         cached = self._qemu_own_cache.get(name)
         if cached is not None and cached[0] == pid and now - cached[1] < QEMU_OWN_REFRESH_S:
-            return cached[2]
+            then = cached[3]
+            moved = anon_outside - then if anon_outside is not None and then is not None else 0
+            return max(0, cached[2] + moved)
         if vma is None:
             start, end = (self._cow_ram(name, pid) if ram_mode == "cow"
                           else procfs.find_guest_ram(pid, backing="memfd:"))
             vma = procfs.read_vma_smaps(pid, start, end)
         value = memacct.qemu_own_bytes(procfs.read_smaps_rollup(pid), vma)
-        self._qemu_own_cache[name] = (pid, now, value)
+        self._qemu_own_cache[name] = (pid, now, value, anon_outside)
         return value
 
     def domstats(self, name: str) -> dict[str, Any]:

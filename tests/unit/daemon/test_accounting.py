@@ -59,6 +59,15 @@ def mgr(cfg: Any, host: Any, sandbox_meta_of: Any, template: TemplateMeta,
     rollup = {"Pss": 100_000}
     monkeypatch.setattr(procfs, "read_smaps_rollup", lambda pid: dict(rollup))
     m.rollup = rollup  # type: ignore[attr-defined]
+    # RssAnon of each QEMU (/proc/PID/status), the copy-on-write clone's RAM copies among it.
+    rss_anon = {101: 40_000, 102: 40_000, 103: 40_000 + 10 * PAGE}
+
+    def read_rss_anon(pid: int) -> int:
+        if pid not in rss_anon:
+            raise FileNotFoundError(f"/proc/{pid}/status")
+        return rss_anon[pid]
+    monkeypatch.setattr(procfs, "read_rss_anon", read_rss_anon)
+    m.rss_anon = rss_anon  # type: ignore[attr-defined]
     # KSM: one physical page per four mappings; zram: one byte of memory per four swapped.
     monkeypatch.setattr(memacct, "read_ksm", lambda: memacct.KsmStat(pages_shared=1, pages_sharing=3))
     monkeypatch.setattr(memacct, "read_zram_total", lambda: {"orig_data_size": 4, "mem_used_total": 1})
@@ -139,6 +148,22 @@ def test_qemu_own_bytes_are_read_again_only_after_the_refresh_period(mgr: Manage
     assert mgr.op_owned(["m0"])["sandboxes"]["m0"]["qemu_own_bytes"] == 99_000  # cached
     mgr.accounting._qemu_own_cache.clear()
     assert mgr.op_owned(["m0"])["sandboxes"]["m0"]["qemu_own_bytes"] == 199_000
+
+
+def test_qemu_own_bytes_follow_its_anonymous_memory_between_two_reads(mgr: Manager) -> None:
+    """Between two PSS reads QEMU's own figure moves with its anonymous memory outside guest
+    RAM (TCG's translation cache grows there); the RAM's own copies do not move it."""
+    assert mgr.op_owned(["m0", "c0"])["sandboxes"]["c0"]["qemu_own_bytes"] == 95_000
+    mgr.rss_anon[101] += 30 * PAGE        # type: ignore[attr-defined]  # m0's translation cache grew
+    mgr.rss_anon[103] += 5 * PAGE         # type: ignore[attr-defined]  # c0: as much outside RAM ...
+    rows = mgr.op_owned(["m0", "c0"])["sandboxes"]
+    assert rows["m0"]["qemu_own_bytes"] == 99_000 + 30 * PAGE
+    assert rows["c0"]["qemu_own_bytes"] == 95_000 + 5 * PAGE
+    mgr.rss_anon[103] -= 8 * PAGE         # type: ignore[attr-defined]  # ... and shrank below the read
+    assert mgr.op_owned(["c0"])["sandboxes"]["c0"]["qemu_own_bytes"] == 95_000 - 3 * PAGE
+    # A status that cannot be read leaves the last figure as it was.
+    del mgr.rss_anon[101]                 # type: ignore[attr-defined]
+    assert mgr.op_owned(["m0"])["sandboxes"]["m0"]["qemu_own_bytes"] == 99_000
 
 
 def test_list_and_dominfo_describe_state_memory_and_machine(mgr: Manager, host: Any) -> None:
