@@ -100,10 +100,11 @@ static long azq_encode_loop(ZSTD_CCtx *cctx, int m, const uint8_t *up, const uin
  * the page's flags ask for them). The smallest payload is appended to out; its offset, length
  * and choice are reported (C_RAW with length 0 when even the best exceeds raw_limit).
  * tries[0..5] count zstd, xor, prefix, sdelta, lz4 and patch attempts.
- * A page with F_PATCH and an XOR flag first gets its PATCH against that reference (the smaller of the two
- * when both): at most `small` bytes, it is taken and no codec runs; else it is kept if it beats
- * what the codecs make (a page without reference by `gain` bytes). Returns the bytes used in out, or
- * -1 if out is too small or zstd failed (the caller falls back to Python).
+ * A page with F_PATCH and an XOR flag first gets its PATCH against that reference (the
+ * smaller of the two when both): at most `small` bytes, it is taken and no codec runs; else it
+ * is kept if it beats what the codecs make (a page without reference by `gain` bytes).
+ * Returns the bytes used in out, or -1 if out is too small or zstd failed (the caller falls
+ * back to Python).
  */
 long azq_encode_batch(ZSTD_CCtx *cctx, int m, const uint8_t *up, const uint8_t *tp, const uint8_t *xp,
                       const uint8_t *sp, const uint8_t *sxp, const uint8_t *flags,

@@ -31,10 +31,10 @@ unsigned ZSTD_isError(size_t code);
 
 #define PAGE 4096
 #define PAGE_SHIFT 12
-
-#include "_pagepatch.h"
 #define BOUND (PAGE + 128)
 #define ARENA_HEADER 4096
+
+#include "_pagepatch.h"      /* PATCH payloads (uses PAGE) */
 
 int azq_storeview_abi(void) { return 2; }
 
