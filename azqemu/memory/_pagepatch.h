@@ -17,6 +17,16 @@
 #define PATCH_GAP 3
 #define PATCH_MAX 256
 
+/* Append the run [s, e) of page u at out + pos: the new length, or -1 past cap bytes. */
+static inline long patch_emit(const uint8_t *u, int s, int e, uint8_t *out, long pos, long cap)
+{
+    if (pos + 3 + (e - s) > cap || e - s > 256)
+        return -1;
+    out[pos] = (uint8_t)s; out[pos + 1] = (uint8_t)(s >> 8); out[pos + 2] = (uint8_t)(e - s - 1);
+    memcpy(out + pos + 3, u + s, (size_t)(e - s));
+    return pos + 3 + (e - s);
+}
+
 /* The patch turning the reference into page u (x = u XOR reference) into out (PATCH_MAX + 3
  * bytes at least): its length, or -1 when the two are equal or it would exceed cap bytes. */
 static inline long patch_make(const uint8_t *u, const uint8_t *x, uint8_t *out, long cap)
@@ -35,24 +45,13 @@ static inline long patch_make(const uint8_t *u, const uint8_t *x, uint8_t *out, 
                 e = p + 1;
                 continue;
             }
-            if (s >= 0) {                                 /* close the open run */
-                if (pos + 3 + (e - s) > cap || e - s > 256)
-                    return -1;
-                out[pos] = (uint8_t)s; out[pos + 1] = (uint8_t)(s >> 8); out[pos + 2] = (uint8_t)(e - s - 1);
-                memcpy(out + pos + 3, u + s, (size_t)(e - s));
-                pos += 3 + (e - s);
-            }
+            if (s >= 0 && (pos = patch_emit(u, s, e, out, pos, cap)) < 0)   /* close the open run */
+                return -1;
             s = p;
             e = p + 1;
         }
     }
-    if (s < 0)
-        return -1;
-    if (pos + 3 + (e - s) > cap || e - s > 256)
-        return -1;
-    out[pos] = (uint8_t)s; out[pos + 1] = (uint8_t)(s >> 8); out[pos + 2] = (uint8_t)(e - s - 1);
-    memcpy(out + pos + 3, u + s, (size_t)(e - s));
-    return pos + 3 + (e - s);
+    return s < 0 ? -1 : patch_emit(u, s, e, out, pos, cap);
 }
 
 /* dst = ref (the zero page if NULL) with the patch's runs copied over it; -1 if malformed. */
