@@ -19,6 +19,7 @@ from azqemu.daemon.memsvc import MemoryService
 from azqemu.daemon.registry import Registry
 from azqemu.errors import AzqemuError, DomainNotFound
 from azqemu.host import memacct, pagemap, procfs, selfmem
+from azqemu.memory.accounting import OwnedBytes
 from azqemu.pages import PAGE_SIZE
 from azqemu.virt.clones import SandboxRecord
 from azqemu.virt.host import Domain
@@ -133,7 +134,8 @@ class Accounting:
         return d
 
     def owned(self, name: str, store_overhead: float = 1.0,
-              host_mm: tuple[memacct.KsmStat, dict[str, int]] | None = None) -> dict[str, Any]:
+              host_mm: tuple[memacct.KsmStat, dict[str, int]] | None = None,
+              books: dict[str, OwnedBytes] | None = None) -> dict[str, Any]:
         """What the host spends on this sandbox alone (DESIGN.md, benchmark definitions).
 
         memfd clones (none, agentzip*): the RAM memfd's allocated pages plus the sandbox's
@@ -143,7 +145,8 @@ class Accounting:
         minus what KSM merged plus the sandbox's share of merged pages, plus its share of
         zram's memory for what was swapped out. Template pages only mapped are the template's.
         QEMU's own memory (process PSS minus guest RAM) is reported apart. ``host_mm``: KSM's
-        and zram's host-wide figures (``read_host_mm``), read once for many sandboxes.
+        and zram's host-wide figures (``read_host_mm``), read once for many sandboxes; ``books``
+        the store's (``PageStore.owned_bytes_many``), likewise.
         """
         rec = self.reg.record(name)
         pid = self.qemu_pid(name)
@@ -160,13 +163,13 @@ class Accounting:
             resident = figures.get("Anonymous", 0)
             stored: float = owned - max(0, resident - figures.get("KSM", 0))
             if mem is not None:  # compressed by azqemu: its pages in the store too
-                in_store = mem.stored_bytes() * store_overhead
+                in_store = mem.stored_bytes(books) * store_overhead
                 stored += in_store
                 owned += in_store
         else:
             # fstat of the memfd and the store's books: cheap enough to sample often.
             resident = self.domain_resident_bytes(self.reg.host.get_domain(name), rec.ram_mode) or 0
-            stored = mem.stored_bytes() * store_overhead if mem is not None else 0.0
+            stored = mem.stored_bytes(books) * store_overhead if mem is not None else 0.0
             owned = resident + stored
         return out | {"owned_bytes": int(owned), "resident_bytes": int(resident), "stored_bytes": int(stored),
                       "qemu_own_bytes": self.qemu_own_bytes(name, pid, rec.ram_mode, vma,
@@ -246,9 +249,10 @@ class Accounting:
             overhead = 1.0 + dead / tb.total_bytes if tb.total_bytes else 1.0
         rows = {}
         host_mm = self.read_host_mm()
+        books = store.owned_bytes_many(names) if store is not None else {}
         for n in names:
             try:
-                rows[n] = self.owned(n, store_overhead=overhead, host_mm=host_mm)
+                rows[n] = self.owned(n, store_overhead=overhead, host_mm=host_mm, books=books)
             except AzqemuError as exc:
                 rows[n] = {"name": n, "error": str(exc)}
         return {"sandboxes": rows, "store_bytes": store_bytes, "store_live_bytes": store_live,

@@ -49,6 +49,7 @@ from azqemu.daemon.memstats import CompressCancelled, CompressStats, ResumeStats
 from azqemu.daemon.ramscan import RamScan, without_rows
 from azqemu.errors import RestoreError, StoreError
 from azqemu.host import selfmem
+from azqemu.memory.accounting import OwnedBytes
 from azqemu.memory.crashpoint import crash_point, fail_point
 from azqemu.memory.kinds import Kind
 from azqemu.memory.pagehash import page_hashes
@@ -586,11 +587,11 @@ class SandboxMemory:
             self.last_resume = st
             return st
 
-    def stored_bytes(self) -> int:
-        if self.name not in self.store.sandboxes():
-            return 0
-        ob = self.store.owned_bytes(self.name)
-        return int(ob.private_bytes + ob.shared_bytes + ob.index_bytes)
+    def stored_bytes(self, books: dict[str, OwnedBytes] | None = None) -> int:
+        """This sandbox's bytes in the store (its private payloads, its share of shared ones,
+        its index). ``books``: ``PageStore.owned_bytes_many`` already read for many sandboxes."""
+        ob = (books if books is not None else self.store.owned_bytes_many([self.name])).get(self.name)
+        return 0 if ob is None else int(ob.private_bytes + ob.shared_bytes + ob.index_bytes)
 
     def faults(self) -> int:
         return self.handler.stats().faults

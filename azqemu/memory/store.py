@@ -32,6 +32,7 @@ import os
 import re
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -547,11 +548,27 @@ class PageStore(StoreWriter):
     # ------------------------------------------------------------------ accounting
     def owned_bytes(self, sandbox: str) -> OwnedBytes:
         with self._lock:
-            sb = self._sandbox(sandbox)
-            cost = blob_costs(self._table, sb.domain)
-            private, shared = sandbox_shares(self._table, cost, sb.index.blob_refs())
-            return OwnedBytes(private, shared, sb.index.nbytes + sb.raw.nbytes, raw_page_bytes(len(sb.raw)),
-                              len(sb.raw), sb.index.n_pages)
+            self._sandbox(sandbox)          # one line of error for a name the store lacks
+            return self.owned_bytes_many([sandbox])[sandbox]
+
+    def owned_bytes_many(self, sandboxes: Iterable[str]) -> dict[str, OwnedBytes]:
+        """``owned_bytes`` of each of ``sandboxes`` the store holds (others are left out), the
+        blob costs of each sharing domain computed once: a sampling of 16 sandboxes otherwise
+        walks the whole blob table 16 times (a fifth of the manager's CPU in a density run)."""
+        with self._lock:
+            costs: dict[str, np.ndarray] = {}
+            out = {}
+            for name in sandboxes:
+                sb = self._sandboxes.get(name)
+                if sb is None:
+                    continue
+                cost = costs.get(sb.domain.name)
+                if cost is None:
+                    cost = costs[sb.domain.name] = blob_costs(self._table, sb.domain)
+                private, shared = sandbox_shares(self._table, cost, sb.index.blob_refs())
+                out[name] = OwnedBytes(private, shared, sb.index.nbytes + sb.raw.nbytes,
+                                       raw_page_bytes(len(sb.raw)), len(sb.raw), sb.index.n_pages)
+            return out
 
     def domain_bytes(self, domain: str) -> DomainBytes:
         with self._lock:

@@ -29,7 +29,7 @@ class FakeMem:
     def state_bytes(self) -> int:
         return 1000
 
-    def stored_bytes(self) -> int:
+    def stored_bytes(self, books: Any = None) -> int:
         return self.stored
 
     def memstats(self, *, reset: bool) -> dict[str, Any]:
@@ -51,7 +51,8 @@ def mgr(cfg: Any, host: Any, sandbox_meta_of: Any, template: TemplateMeta,
     # of a sandbox costs 1.5.
     store = SimpleNamespace(total_bytes=lambda: SimpleNamespace(
         arena_allocated_bytes=1500, arena_live_bytes=1000, total_bytes=1000),
-        domain_bytes=lambda d: SimpleNamespace(blob_bytes=700, payload_bytes=600, index_bytes=50))
+        domain_bytes=lambda d: SimpleNamespace(blob_bytes=700, payload_bytes=600, index_bytes=50),
+        owned_bytes_many=lambda names: {})
     monkeypatch.setattr(m.memory, "opened_store", lambda: store)
     monkeypatch.setattr(m.accounting, "ram_resident_bytes", lambda pid, mode: RESIDENT[pid])
     monkeypatch.setattr(procfs, "find_guest_ram", lambda pid, backing=None: (0, 1 << 30))
