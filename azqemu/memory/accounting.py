@@ -17,7 +17,13 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from azqemu.memory.blobtable import BLOB_DTYPE, DUP_INDEX_ENTRY_BYTES, BlobTable, DomainState
+from azqemu.memory.blobtable import (
+    BLOB_DTYPE,
+    DUP_INDEX_ENTRY_BYTES,
+    BlobTable,
+    DomainState,
+    in_domain_indices,
+)
 from azqemu.memory.kinds import PAGE_SIZE
 
 
@@ -78,7 +84,8 @@ def blob_costs(table: BlobTable, d: DomainState) -> np.ndarray:
     n = table.n
     rows = table.rows[:n]
     live = (rows["refcount"] > 0) & (rows["domain"] == d.did)
-    cost = rows["length"].astype(np.float64) + BLOB_DTYPE.itemsize + DUP_INDEX_ENTRY_BYTES
+    cost = rows["length"].astype(np.float64) + BLOB_DTYPE.itemsize
+    cost += np.where(in_domain_indices(rows["method"], rows["reftype"]), DUP_INDEX_ENTRY_BYTES, 0)
     cost += table.sim_entries_per_blob(d) * table.sim_entry_bytes(d)
     return np.where(live, cost, 0.0)
 

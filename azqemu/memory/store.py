@@ -50,7 +50,7 @@ from azqemu.memory.accounting import (
     sandbox_shares,
 )
 from azqemu.memory.arena import DEFAULT_ARENA_BYTES, ArenaSet
-from azqemu.memory.blobtable import BLOB_DTYPE, BlobTable, DomainState
+from azqemu.memory.blobtable import BLOB_DTYPE, BlobTable, DomainState, in_domain_indices
 from azqemu.memory.crashpoint import crash_point
 from azqemu.memory.domainview import StoreDomainView
 from azqemu.memory.encoder import T_BLOB, T_NEW, T_TEMPLATE, Encoder, EncoderOptions, Plan
@@ -325,9 +325,11 @@ class PageStore(StoreWriter):
             blob_rows["domain"] = d.did
             rows[new_ids] = blob_rows
             table.incref(nb.ref[nb.reftype == _REFTYPE_BLOB])
-            if nb.has_fp.any():
-                table.add_sim(d, nb.fps[nb.has_fp], new_ids[nb.has_fp])
-            table.add_dups(d, nb.key, new_ids)
+            indexed = in_domain_indices(nb.method, nb.reftype)
+            sim = nb.has_fp & indexed
+            if sim.any():
+                table.add_sim(d, nb.fps[sim], new_ids[sim])
+            table.add_dups(d, nb.key[indexed], new_ids[indexed])
         kind = plan.kind
         stored = kind != int(Kind.RAW)
         entry_ref = np.zeros(len(kind), dtype=np.int64)

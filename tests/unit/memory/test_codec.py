@@ -11,7 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from azqemu.memory.kinds import PAGE_SIZE, Kind
+from azqemu.memory.accounting import blob_costs
+from azqemu.memory.blobtable import BLOB_DTYPE, DUP_INDEX_ENTRY_BYTES, in_domain_indices
+from azqemu.memory.kinds import PAGE_SIZE, Kind, Method, RefType
 from azqemu.memory.store import PageStore
 from azqemu.memory.zstdlib import PageZstd, available_backends
 
@@ -100,9 +102,18 @@ def test_store_round_trip_every_representation(store_dir, tpl_pages, new_pages, 
             buf = bytearray(PAGE_SIZE)
             store.decode_page_into("a", p, memoryview(buf))
             assert bytes(buf) == want[p].tobytes()
-        # A sibling with the same new content stores DUPs of the first one's blobs.
+        # A sibling with the same new content stores DUPs of the first one's blobs, but for
+        # PATCHes against a template page: outside the domain's indices, each a PATCH again.
+        table = store._table
+
+        def live_blobs(indexed: bool) -> int:
+            rows = table.rows[:table.n]
+            return int(((rows["refcount"] > 0)
+                        & (in_domain_indices(rows["method"], rows["reftype"]) == indexed)).sum())
+        before = live_blobs(True), live_blobs(False)
         res_b = store.encode("b", "d", idx, pages, template)
-        assert res_b.pages["ZSTD"] == 0 and res_b.pages["TDELTA"] == 0
+        assert res_b.pages["ZSTD"] == 0
+        assert live_blobs(True) + live_blobs(False) - sum(before) <= before[1]
         np.testing.assert_array_equal(store.decode("b", store.stored_pages("b")), out)
     assert n_t >= 4
 
@@ -166,3 +177,39 @@ def test_empty_template(store_dir, corpus) -> None:
         store.encode("a", "d", idx, pages, empty)
         assert [Kind(k).name for k in store.page_kinds("a", idx)] == ["ZSTD", "ZERO", "DUP", "ZSTD"]
         np.testing.assert_array_equal(store.decode("a", idx), pages)
+
+
+def test_patches_of_template_pages_stay_out_of_the_domain_indices(store_dir, corpus) -> None:
+    """A page a few bytes from its template page is stored as a PATCH that enters neither
+    the domain's DUP index nor its similarity index (blobtable.in_domain_indices); a new page
+    does, and its cost carries the index entries. A sibling with the same near-template page
+    stores its own PATCH, and both decode exactly, also after the DUP index is rebuilt."""
+    tpl = [text_page(i) for i in range(8)]
+    template = make_template(tpl, n_pages=64)
+    near = _edit(tpl[2], [100, 101, 900], 0x11)
+    new = next(p for p in corpus.pyc if len(zlib.compress(p.tobytes())) > 1500)
+    pages = np.stack([near, new])
+    idx = np.array([2, 40])
+    with PageStore(store_dir, arena_bytes=SMALL_ARENA) as store:
+        store.encode("a", "d", idx, pages, template)
+        table, d = store._table, store._table.domains["d"]
+        rows = table.rows[:table.n]
+        live = np.flatnonzero(rows["refcount"] > 0)
+        patch = live[(rows["method"][live] == int(Method.PATCH)) & (rows["reftype"][live] == int(RefType.TEMPLATE))]
+        plain = np.setdiff1d(live, patch)
+        assert len(patch) == 1 and len(plain) == 1
+        table._dup_index(d)
+        assert patch[0] not in d.dup_ids and plain[0] in d.dup_ids
+        sim = table.sim_entries_per_blob(d)
+        assert sim[patch[0]] == 0 and sim[plain[0]] > 0
+        cost = blob_costs(table, d)
+        assert cost[patch[0]] == rows["length"][patch[0]] + BLOB_DTYPE.itemsize
+        assert cost[plain[0]] > rows["length"][plain[0]] + BLOB_DTYPE.itemsize + DUP_INDEX_ENTRY_BYTES
+        store.encode("b", "d", idx, pages, template)
+        assert list(store.page_kinds("b", idx)) == [int(Kind.TDELTA), int(Kind.DUP)]
+        d.dup_dirty = True                      # as after a reopen: rebuilt from the table
+        table._dup_index(d)
+        assert not np.isin(d.dup_ids, patch).any()
+        for sb in ("a", "b"):
+            np.testing.assert_array_equal(store.decode(sb, idx), pages)
+        store.check_consistency()
