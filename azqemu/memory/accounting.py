@@ -13,6 +13,7 @@ a domain they give the domain's bytes (tests check this).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -24,6 +25,7 @@ from azqemu.memory.blobtable import (
     DomainState,
     in_domain_indices,
 )
+from azqemu.memory.generation import StoredSandbox
 from azqemu.memory.kinds import PAGE_SIZE
 
 
@@ -114,3 +116,29 @@ def sandbox_shares(table: BlobTable, cost: np.ndarray, refs: np.ndarray) -> tupl
 
 def raw_page_bytes(n_raw: int) -> int:
     return n_raw * PAGE_SIZE
+
+
+def sandbox_books(table: BlobTable, sandboxes: Iterable[StoredSandbox]) -> dict[str, OwnedBytes]:
+    """``OwnedBytes`` of each sandbox by name, the blob costs of each sharing domain computed
+    once: a sampling of 16 sandboxes otherwise walks the whole blob table 16 times (a fifth of
+    the manager's CPU in a density run)."""
+    costs: dict[str, np.ndarray] = {}
+    out = {}
+    for sb in sandboxes:
+        cost = costs.get(sb.domain.name)
+        if cost is None:
+            cost = costs[sb.domain.name] = blob_costs(table, sb.domain)
+        private, shared = sandbox_shares(table, cost, sb.index.blob_refs())
+        out[sb.name] = OwnedBytes(private, shared, sb.index.nbytes + sb.raw.nbytes,
+                                  raw_page_bytes(len(sb.raw)), len(sb.raw), sb.index.n_pages)
+    return out
+
+
+def domain_books(table: BlobTable, d: DomainState, sandboxes: list[StoredSandbox]) -> DomainBytes:
+    """``DomainBytes`` of sharing domain ``d`` whose sandboxes are ``sandboxes``."""
+    cost = blob_costs(table, d)
+    rows = table.rows[:table.n]
+    mine = (rows["refcount"] > 0) & (rows["domain"] == d.did)
+    return DomainBytes(d.name, len(sandboxes), int(round(cost.sum())), int(rows["length"][mine].sum()),
+                       sum(s.index.nbytes + s.raw.nbytes for s in sandboxes),
+                       sum(raw_page_bytes(len(s.raw)) for s in sandboxes))
