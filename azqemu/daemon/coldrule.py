@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from azqemu.pages import in_sorted
+
 AFTER_MIN_S = 2.0
 AFTER_MAX_S = 64.0
 REFAULT_HIGH = 0.25
@@ -40,7 +42,7 @@ class ColdRule:
         start a new window; returns ``after_s``."""
         if len(self._dropped) < JUDGE_PAGES:
             return self.after_s
-        back = float(np.isin(self._dropped, faulted).mean())
+        back = float(in_sorted(self._dropped, faulted).mean())   # faulted: ascending
         if back > REFAULT_HIGH:
             self.after_s = min(AFTER_MAX_S, self.after_s * 2)
         elif back < REFAULT_LOW:

@@ -56,7 +56,7 @@ from azqemu.memory.pagehash import page_hashes
 from azqemu.memory.persist import StoreFull
 from azqemu.memory.store import PageStore
 from azqemu.memory.template import TemplateImage
-from azqemu.pages import PAGE_SIZE, Scratch, page_runs
+from azqemu.pages import PAGE_SIZE, Scratch, in_sorted, page_runs
 from azqemu.restore.export import UffdExport, UffdHandle
 from azqemu.restore.handler import FaultHandler
 from azqemu.restore.mapback import map_from_file, untouched_in_page_tables
@@ -228,7 +228,7 @@ class SandboxMemory:
         try:
             for part, pages in parts:
                 self._check_cancel()
-                hot = None if hot_idx is None else np.isin(part, hot_idx)
+                hot = None if hot_idx is None else in_sorted(part, hot_idx)
                 res = self.store.encode(self.name, self.sharing_domain, part, pages, self.template,
                                         use_siblings=self.use_siblings, hot=hot, owner=self.owner, scratch=scratch)
                 stored.append(res.stored_idx.astype(np.int64))
@@ -436,7 +436,7 @@ class SandboxMemory:
                     at += len(part)
                     k, check = page_hashes(pages)
                     key[rows] = k
-                    in_use = np.isin(part, faulted)
+                    in_use = in_sorted(part, faulted)
                     same = self.store.entries_match(self.name, part, k, check) & ~in_use
                     if prefetch_cold:
                         same_parts.append(part[same])
@@ -458,7 +458,7 @@ class SandboxMemory:
                     stored, free = self._commit(stored)
                     self.sources.assign(stored, self._store_src)
                     st.encoded_pages, st.stored_pages = len(encoded), len(stored)
-                    raw |= np.isin(idx, enc_raw)
+                    raw |= in_sorted(idx, enc_raw)
                 same = np.concatenate(same_parts) if same_parts else np.empty(0, dtype=np.int64)
                 self.sources.assign(same, self._store_src)
                 drop = np.union1d(same, np.setdiff1d(encoded, enc_raw))
@@ -474,7 +474,7 @@ class SandboxMemory:
                     self.sources.assign(encoded, self._unstored)
                     self._settle(np.empty(0, dtype=np.int64), mapped=False)
                 st.encoded_pages = st.stored_pages = 0
-            kept = ~np.isin(idx, drop)
+            kept = ~in_sorted(idx, drop)
             self._history.keep(idx[kept], key[kept], since[kept], raw[kept])
             self.cold.note_dropped(drop)
             # A prefetched page dropped unused by a tool call this long is not in this phase's

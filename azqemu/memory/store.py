@@ -69,6 +69,7 @@ from azqemu.memory.sbxindex import SandboxIndex
 from azqemu.memory.storewrite import StoreWriter
 from azqemu.memory.template import TemplateImage
 from azqemu.memory.zstdlib import DEFAULT_LEVEL, PageZstd
+from azqemu.pages import in_sorted
 
 _KIND_ZERO, _KIND_TEMPLATE = int(Kind.ZERO), int(Kind.TEMPLATE)
 _REFTYPE_BLOB = int(RefType.BLOB)
@@ -353,7 +354,8 @@ class PageStore(StoreWriter):
         elif sb.owner is None and owner is not None:
             sb.owner = owner
         old_p, old_k, old_f, old_r = sb.index.expand()
-        replaced = np.isin(old_p, new_pages)
+        new_sorted = np.sort(new_pages)
+        replaced = in_sorted(old_p, new_sorted)
         if replaced.any():
             self._release_refs(old_k[replaced], old_f[replaced], old_r[replaced])
         keep = ~replaced
@@ -362,7 +364,7 @@ class PageStore(StoreWriter):
             np.concatenate([old_f[keep], flags[stored]]), np.concatenate([old_r[keep], entry_ref[stored]]))
         self._publish(sandbox)
         raw_now = new_pages[~stored]
-        old_raw = sb.raw[~np.isin(sb.raw, new_pages)]
+        old_raw = sb.raw[~in_sorted(sb.raw, new_sorted)]
         sb.raw = np.union1d(old_raw, raw_now).astype(np.uint32)
         self._dirty.add(sandbox)
         # Result figures.
@@ -516,13 +518,14 @@ class PageStore(StoreWriter):
         with self._lock:
             sb = self._sandbox(sandbox)
             p, k, f, r = sb.index.expand()
-            gone = np.isin(p, page_idx)
+            page_idx = np.sort(page_idx)
+            gone = in_sorted(p, page_idx)
             if gone.any():
                 self._release_refs(k[gone], f[gone], r[gone])
                 keep = ~gone
                 sb.index = SandboxIndex.from_pages(p[keep], k[keep], f[keep], r[keep])
                 self._publish(sandbox)
-            sb.raw = sb.raw[~np.isin(sb.raw, page_idx)]
+            sb.raw = sb.raw[~in_sorted(sb.raw, page_idx)]
             self._dirty.add(sandbox)
             self._changed = True
         self._maybe_compact()

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from azqemu.pages import PAGE_SIZE, Scratch, page_runs, scratch_rows, take_rows
+from azqemu.pages import PAGE_SIZE, Scratch, in_sorted, page_runs, scratch_rows, take_rows
 
 
 def test_page_runs() -> None:
@@ -26,3 +28,13 @@ def test_take_rows_gathers_in_place_and_still_refuses_a_row_out_of_range() -> No
         with pytest.raises(IndexError):
             take_rows(src, np.array(bad), out[:1])
     assert len(take_rows(src, np.empty(0, dtype=np.int64), out[:0])) == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(values=st.lists(st.integers(0, 300), max_size=60), members=st.lists(st.integers(0, 300), max_size=60))
+def test_in_sorted_is_isin_for_a_sorted_set(values: list[int], members: list[int]) -> None:
+    """Binary-search membership against an ascending set (repeats allowed) answers as np.isin,
+    whatever the values' order, dtype or repeats."""
+    v = np.array(values, dtype=np.uint32)
+    m = np.sort(np.array(members, dtype=np.int64))
+    np.testing.assert_array_equal(in_sorted(v, m), np.isin(v, m))
