@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from azqemu.daemon.coldrule import ColdRule, CopyHistory
+from azqemu.daemon.coldrule import ColdRule, CopyHistory, TrimPace
 from azqemu.daemon.cpubudget import CpuBudget
 from azqemu.daemon.memstats import CompressCancelled, CompressStats, ResumeStats, TrimStats, memory_stats
 from azqemu.daemon.ramscan import RamScan, without_rows
@@ -155,6 +155,7 @@ class SandboxMemory:
         self._resumed_at = 0.0                              # monotonic s of the last prefetch
         self.cold = ColdRule()
         self._trimmed_at = 0.0                              # monotonic s of the last trim
+        self.trim_pace = TrimPace()                         # backs off after trims that drop little
         self.last_compress = CompressStats()
         self.last_resume = ResumeStats()
         self.compress_s_total = 0.0
@@ -306,6 +307,7 @@ class SandboxMemory:
             st.hot_pages = len(self.hot_idx)
             self._history = CopyHistory()   # trims start again; so does the handler's
             self.cold.forget_drops()        # fault record (reset_hot above)
+            self.trim_pace.reset()
             stored, free = self._commit(enc_stored)
             self.sources.assign(np.union1d(stored, unchanged), self._store_src)
             t2 = time.perf_counter()
@@ -371,9 +373,10 @@ class SandboxMemory:
 
     def trim_due(self, every_s: float) -> bool:
         """Whether a trim now could drop anything its predecessor could not: at most one per
-        ``every_s``, and one per half cold age (a page must stay unchanged that long)."""
+        ``every_s``, one per half cold age (a page must stay unchanged that long), and fewer
+        after trims that dropped little (``TrimPace``)."""
         return (self.cow and not self.compressed
-                and time.monotonic() - self._trimmed_at >= max(every_s, self.cold.after_s / 2))
+                and time.monotonic() - self._trimmed_at >= max(every_s, self.cold.after_s / 2, self.trim_pace.wait_s))
 
     def trim(self, stop: Callable[[], bool] | None = None) -> TrimStats:
         """``_trim``, then its freed buffers go back to the kernel, the template pages it read are forgotten."""
@@ -477,6 +480,7 @@ class SandboxMemory:
             kept = ~in_sorted(idx, drop)
             self._history.keep(idx[kept], key[kept], since[kept], raw[kept])
             self.cold.note_dropped(drop)
+            self.trim_pace.note(st.resident_pages, len(drop))
             # A prefetched page dropped unused by a tool call this long is not in this phase's
             # working set: the next resume need not bring it back.
             self._prefetched_idx = np.setdiff1d(self._prefetched_idx, drop, assume_unique=True)

@@ -39,3 +39,22 @@ def test_the_rule_stays_within_its_bounds(shares: list[float]) -> None:
         r.note_dropped(np.arange(1000))
         r.judge(np.arange(int(share * 1000)))
         assert coldrule.AFTER_MIN_S <= r.after_s <= coldrule.AFTER_MAX_S
+
+
+def test_trims_that_drop_little_space_out_the_next_ones() -> None:
+    """Each trim that drops under PAYOFF_SHARE of the copies doubles the least wait before
+    the next (from twice the shortest cold age, up to BACKOFF_MAX_S); one that pays, or a
+    new tool call, brings it back to nothing."""
+    pace = coldrule.TrimPace()
+    waits = []
+    for _ in range(6):
+        pace.note(10_000, 100)                    # 1%: did not pay
+        waits.append(pace.wait_s)
+    assert waits == [4.0, 8.0, 16.0, 32.0, 32.0, 32.0] and waits[-1] == coldrule.BACKOFF_MAX_S
+    pace.note(10_000, 2_000)                      # 20%: paid
+    assert pace.wait_s == 0.0
+    pace.note(10_000, 0)
+    pace.reset()
+    assert pace.wait_s == 0.0
+    pace.note(0, 0)                               # nothing resident: nothing to judge
+    assert pace.wait_s == 0.0
