@@ -24,6 +24,12 @@ REFAULT_HIGH = 0.25
 REFAULT_LOW = 0.05
 # Drops it takes to judge: fewer say little about a working set.
 JUDGE_PAGES = 256
+# A trim reads and hashes every copy its sandbox holds, vCPUs paused. In long-lived-heap at 8
+# sandboxes half of the trims dropped under 2% of the copies (the tool call was using what it
+# held) and took 43% of the trims' CPU: after such a trim the next waits twice as long, up to
+# BACKOFF_MAX_S; a trim that pays, or a new tool call, brings the pace back.
+PAYOFF_SHARE = 0.02
+BACKOFF_MAX_S = 32.0
 
 
 @dataclass
@@ -31,11 +37,25 @@ class ColdRule:
     after_s: float = AFTER_MIN_S
     judged: int = 0                      # judgements made (for reports)
     last_refault: float = 0.0            # the share of dropped pages that came back, last judged
+    pace_s: float = 0.0                  # least time between trims after trims that dropped little
     _dropped: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
 
-    def note_dropped(self, pages: np.ndarray) -> None:
-        """Pages a trim dropped (page indices)."""
-        self._dropped = np.union1d(self._dropped, np.asarray(pages, dtype=np.int64))
+    def note_dropped(self, pages: np.ndarray, resident_pages: int = 0) -> None:
+        """Pages a trim dropped (page indices) of the ``resident_pages`` copies it read. One that
+        dropped under PAYOFF_SHARE of them doubles ``pace_s`` (from twice AFTER_MIN_S up to
+        BACKOFF_MAX_S); one that paid brings it back to nothing."""
+        pages = np.asarray(pages, dtype=np.int64)
+        self._dropped = np.union1d(self._dropped, pages)
+        if resident_pages and len(pages) < PAYOFF_SHARE * resident_pages:
+            self.pace_s = min(BACKOFF_MAX_S, max(2 * AFTER_MIN_S, 2 * self.pace_s))
+        else:
+            self.pace_s = 0.0
+
+    @property
+    def trim_gap_s(self) -> float:
+        """Least time between two trims: half the cold age (a page must stay unchanged that
+        long), longer after trims that dropped little (``pace_s``)."""
+        return max(self.after_s / 2, self.pace_s)
 
     def judge(self, faulted: np.ndarray) -> float:
         """Given the pages that faulted since the drops were noted, adapt ``after_s`` and
@@ -57,33 +77,10 @@ class ColdRule:
         return int(self._dropped.nbytes)
 
     def forget_drops(self) -> None:
-        """A compression starts a new fault record: drops noted before it cannot be judged."""
+        """A compression starts a new fault record: drops noted before it cannot be judged,
+        and a new tool call: what the last one left alone does not pace its trims."""
+        self.pace_s = 0.0
         self._dropped = np.empty(0, dtype=np.int64)
-
-
-# A trim reads and hashes every copy its sandbox holds, vCPUs paused. In long-lived-heap at 8
-# sandboxes half of the trims dropped under 2% of the copies (the tool call was using what it
-# held) and took 43% of the trims' CPU: after such a trim the next waits twice as long, up to
-# BACKOFF_MAX_S; a trim that pays, or a new tool call, brings the pace back.
-PAYOFF_SHARE = 0.02
-BACKOFF_MAX_S = 32.0
-
-
-@dataclass
-class TrimPace:
-    """The least time between two trims of a sandbox, from what its last trims dropped."""
-
-    wait_s: float = 0.0
-
-    def note(self, resident_pages: int, dropped_pages: int) -> None:
-        if resident_pages and dropped_pages < PAYOFF_SHARE * resident_pages:
-            self.wait_s = min(BACKOFF_MAX_S, max(2 * AFTER_MIN_S, 2 * self.wait_s))
-        else:
-            self.wait_s = 0.0
-
-    def reset(self) -> None:
-        """A new tool call: what the last one left alone says nothing about this one."""
-        self.wait_s = 0.0
 
 
 @dataclass

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from azqemu.daemon.coldrule import ColdRule, CopyHistory, TrimPace
+from azqemu.daemon.coldrule import ColdRule, CopyHistory
 from azqemu.daemon.cpubudget import CpuBudget
 from azqemu.daemon.memstats import CompressCancelled, CompressStats, ResumeStats, TrimStats, memory_stats
 from azqemu.daemon.ramscan import RamScan, without_rows
@@ -155,7 +155,6 @@ class SandboxMemory:
         self._resumed_at = 0.0                              # monotonic s of the last prefetch
         self.cold = ColdRule()
         self._trimmed_at = 0.0                              # monotonic s of the last trim
-        self.trim_pace = TrimPace()                         # backs off after trims that drop little
         self.last_compress = CompressStats()
         self.last_resume = ResumeStats()
         self.compress_s_total = 0.0
@@ -307,7 +306,6 @@ class SandboxMemory:
             st.hot_pages = len(self.hot_idx)
             self._history = CopyHistory()   # trims start again; so does the handler's
             self.cold.forget_drops()        # fault record (reset_hot above)
-            self.trim_pace.reset()
             stored, free = self._commit(enc_stored)
             self.sources.assign(np.union1d(stored, unchanged), self._store_src)
             t2 = time.perf_counter()
@@ -373,10 +371,10 @@ class SandboxMemory:
 
     def trim_due(self, every_s: float) -> bool:
         """Whether a trim now could drop anything its predecessor could not: at most one per
-        ``every_s``, one per half cold age (a page must stay unchanged that long), and fewer
-        after trims that dropped little (``TrimPace``)."""
+        ``every_s``, and per ``ColdRule.trim_gap_s`` (half the cold age, or more after trims
+        that dropped little)."""
         return (self.cow and not self.compressed
-                and time.monotonic() - self._trimmed_at >= max(every_s, self.cold.after_s / 2, self.trim_pace.wait_s))
+                and time.monotonic() - self._trimmed_at >= max(every_s, self.cold.trim_gap_s))
 
     def trim(self, stop: Callable[[], bool] | None = None) -> TrimStats:
         """``_trim``, then its freed buffers go back to the kernel, the template pages it read are forgotten."""
@@ -479,8 +477,7 @@ class SandboxMemory:
                 st.encoded_pages = st.stored_pages = 0
             kept = ~in_sorted(idx, drop)
             self._history.keep(idx[kept], key[kept], since[kept], raw[kept])
-            self.cold.note_dropped(drop)
-            self.trim_pace.note(st.resident_pages, len(drop))
+            self.cold.note_dropped(drop, st.resident_pages)
             # A prefetched page dropped unused by a tool call this long is not in this phase's
             # working set: the next resume need not bring it back.
             self._prefetched_idx = np.setdiff1d(self._prefetched_idx, drop, assume_unique=True)
@@ -592,8 +589,7 @@ class SandboxMemory:
             return st
 
     def stored_bytes(self, books: dict[str, OwnedBytes] | None = None) -> int:
-        """This sandbox's bytes in the store (its private payloads, its share of shared ones,
-        its index). ``books``: ``PageStore.owned_bytes_many`` already read for many sandboxes."""
+        """Its bytes in the store (payloads, its share of shared ones, index); ``books``: read already."""
         ob = (books if books is not None else self.store.owned_bytes_many([self.name])).get(self.name)
         return 0 if ob is None else int(ob.private_bytes + ob.shared_bytes + ob.index_bytes)
 

@@ -552,8 +552,7 @@ class PageStore(StoreWriter):
     # ------------------------------------------------------------------ accounting
     def owned_bytes(self, sandbox: str) -> OwnedBytes:
         with self._lock:
-            self._sandbox(sandbox)          # one line of error for a name the store lacks
-            return self.owned_bytes_many([sandbox])[sandbox]
+            return sandbox_books(self._table, [self._sandbox(sandbox)])[sandbox]
 
     def owned_bytes_many(self, sandboxes: Iterable[str]) -> dict[str, OwnedBytes]:
         """``owned_bytes`` of each of ``sandboxes`` the store holds (others are left out)."""

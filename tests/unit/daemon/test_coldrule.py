@@ -45,16 +45,17 @@ def test_trims_that_drop_little_space_out_the_next_ones() -> None:
     """Each trim that drops under PAYOFF_SHARE of the copies doubles the least wait before
     the next (from twice the shortest cold age, up to BACKOFF_MAX_S); one that pays, or a
     new tool call, brings it back to nothing."""
-    pace = coldrule.TrimPace()
+    r = ColdRule()
     waits = []
-    for _ in range(6):
-        pace.note(10_000, 100)                    # 1%: did not pay
-        waits.append(pace.wait_s)
+    for k in range(6):
+        r.note_dropped(np.arange(100) + 100 * k, 10_000)     # 1%: did not pay
+        waits.append(r.pace_s)
     assert waits == [4.0, 8.0, 16.0, 32.0, 32.0, 32.0] and waits[-1] == coldrule.BACKOFF_MAX_S
-    pace.note(10_000, 2_000)                      # 20%: paid
-    assert pace.wait_s == 0.0
-    pace.note(10_000, 0)
-    pace.reset()
-    assert pace.wait_s == 0.0
-    pace.note(0, 0)                               # nothing resident: nothing to judge
-    assert pace.wait_s == 0.0
+    assert r.trim_gap_s == coldrule.BACKOFF_MAX_S
+    r.note_dropped(np.arange(2_000), 10_000)                  # 20%: paid
+    assert r.pace_s == 0.0 and r.trim_gap_s == r.after_s / 2
+    r.note_dropped(np.empty(0), 10_000)
+    r.forget_drops()
+    assert r.pace_s == 0.0
+    r.note_dropped(np.empty(0), 0)                            # nothing resident: nothing to judge
+    assert r.pace_s == 0.0
