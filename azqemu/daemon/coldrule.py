@@ -51,11 +51,11 @@ class ColdRule:
         else:
             self.pace_s = 0.0
 
-    @property
-    def trim_gap_s(self) -> float:
+    def trim_gap_s(self, backoff: bool = True) -> float:
         """Least time between two trims: half the cold age (a page must stay unchanged that
-        long), longer after trims that dropped little (``pace_s``)."""
-        return max(self.after_s / 2, self.pace_s)
+        long), longer after trims that dropped little (``pace_s``) unless ``backoff`` is off
+        (the agentzip-steady-trims ablation)."""
+        return max(self.after_s / 2, self.pace_s if backoff else 0.0)
 
     def judge(self, faulted: np.ndarray) -> float:
         """Given the pages that faulted since the drops were noted, adapt ``after_s`` and

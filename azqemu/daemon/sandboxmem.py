@@ -369,12 +369,12 @@ class SandboxMemory:
             log.warning("%s: store flush after the drop failed: %s", self.name, exc)
         return n
 
-    def trim_due(self, every_s: float) -> bool:
+    def trim_due(self, every_s: float, backoff: bool = True) -> bool:
         """Whether a trim now could drop anything its predecessor could not: at most one per
         ``every_s``, and per ``ColdRule.trim_gap_s`` (half the cold age, or more after trims
-        that dropped little)."""
+        that dropped little, with ``backoff``)."""
         return (self.cow and not self.compressed
-                and time.monotonic() - self._trimmed_at >= max(every_s, self.cold.trim_gap_s))
+                and time.monotonic() - self._trimmed_at >= max(every_s, self.cold.trim_gap_s(backoff)))
 
     def trim(self, stop: Callable[[], bool] | None = None) -> TrimStats:
         """``_trim``, then its freed buffers go back to the kernel, the template pages it read are forgotten."""

@@ -98,7 +98,8 @@ class SchedService:
         st = self.reg.sched.get(name)
         mem = self.lifecycle.memory.get(name)
         # Not due (its cold age is long: its dropped pages kept coming back): no pause at all.
-        if st is not None and st.tracker.current().phase == "tool" and mem is not None and mem.trim_due(TRIM_EVERY_S):
+        if (st is not None and st.tracker.current().phase == "tool" and mem is not None
+                and mem.trim_due(TRIM_EVERY_S, st.policy.trim_backoff)):
             self.lifecycle.trim(name)
 
     def pageout(self, name: str) -> None:

@@ -10,6 +10,7 @@
 | agentzip-no-prefetch| copy-on-write   | as agentzip, but resume serves every page on first touch |
 | agentzip-no-sibling | copy-on-write   | as agentzip, template-relative only (no DUP/SDELTA bases of siblings) |
 | agentzip-no-trim    | copy-on-write   | as agentzip, but a long tool call keeps all it holds (ablation) |
+| agentzip-steady-trims | copy-on-write | as agentzip, but trims that drop little do not slow down (ablation) |
 | agentzip-pressure   | copy-on-write   | phase-unaware: compress (and run on, lazily) the largest  |
 |                     |                 | sandboxes whenever their memory crosses a budget          |
 
@@ -59,6 +60,8 @@ class Policy:
     linux_reclaim: bool = False
     pressure: bool = False
     trim_in_tool: bool = False
+    # A trim that dropped little makes the next wait longer (daemon/coldrule.py, pace_s).
+    trim_backoff: bool = True
 
     @property
     def compresses(self) -> bool:
@@ -74,6 +77,7 @@ POLICIES: dict[str, Policy] = {p.name: p for p in (
     Policy("agentzip-no-prefetch", "cow", compress_on_wait=True, prefetch=False, trim_in_tool=True),
     Policy("agentzip-no-sibling", "cow", compress_on_wait=True, use_siblings=False, trim_in_tool=True),
     Policy("agentzip-no-trim", "cow", compress_on_wait=True),
+    Policy("agentzip-steady-trims", "cow", compress_on_wait=True, trim_in_tool=True, trim_backoff=False),
     Policy("agentzip-pressure", "cow", pressure=True, prefetch=False),
 )}
 

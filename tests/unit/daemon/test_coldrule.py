@@ -51,9 +51,10 @@ def test_trims_that_drop_little_space_out_the_next_ones() -> None:
         r.note_dropped(np.arange(100) + 100 * k, 10_000)     # 1%: did not pay
         waits.append(r.pace_s)
     assert waits == [4.0, 8.0, 16.0, 32.0, 32.0, 32.0] and waits[-1] == coldrule.BACKOFF_MAX_S
-    assert r.trim_gap_s == coldrule.BACKOFF_MAX_S
+    assert r.trim_gap_s() == coldrule.BACKOFF_MAX_S
+    assert r.trim_gap_s(backoff=False) == r.after_s / 2
     r.note_dropped(np.arange(2_000), 10_000)                  # 20%: paid
-    assert r.pace_s == 0.0 and r.trim_gap_s == r.after_s / 2
+    assert r.pace_s == 0.0 and r.trim_gap_s() == r.after_s / 2
     r.note_dropped(np.empty(0), 10_000)
     r.forget_drops()
     assert r.pace_s == 0.0
