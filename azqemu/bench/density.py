@@ -82,6 +82,7 @@ class _Sampler:
         self.owned: list[float] = []
         self.host_used: list[float] = []
         self.store: list[float] = []
+        self.store_live: list[float] = []      # of which payloads still referenced
         self.zram: list[float] = []
         self.manager_rss: list[float] = []
         self.manager_anon: list[float] = []
@@ -117,6 +118,7 @@ class _Sampler:
         for part, v in hostmem.host_parts(host).items():
             self.parts[part].append(float(v - self.base_parts.get(part, 0)))
         self.store.append(float(r["store_bytes"]))
+        self.store_live.append(float(r.get("store_live_bytes", 0)))
         self.zram.append(float(zram.get("mem_used_total", 0)))
         self.manager_rss.append(float(r["manager_rss_bytes"]))
         self.manager_anon.append(float(r.get("manager_memory", {}).get("anon_bytes", 0)))
@@ -250,7 +252,7 @@ def run_policy(c: Client, template: str, wl: Workload, plan: list[list[Step]], p
         run.extra.update(compress_cpu_per_wait(c, names))
         run.extra["host_parts_bytes_avg"] = {part: _twa(sampler.t_s, y) for part, y in sampler.parts.items()}
         run.series = {"t_s": sampler.t_s, "owned_bytes": sampler.owned, "host_used_bytes": sampler.host_used,
-                      "store_bytes": sampler.store, "zram_bytes": sampler.zram,
+                      "store_bytes": sampler.store, "store_live_bytes": sampler.store_live, "zram_bytes": sampler.zram,
                       "manager_rss_bytes": sampler.manager_rss, "qemu_own_bytes": sampler.qemu_own,
                       "host_cost_bytes": sampler.host_cost, "manager_anon_bytes": sampler.manager_anon}
     return run
@@ -325,6 +327,7 @@ def summarize(wl: Workload, sandboxes: int, runs: list[PolicyRun], template_byte
             "owned_bytes_avg_per_sandbox": _twa(s["t_s"], s["owned_bytes"]) / sandboxes,
             "qemu_own_bytes_avg": _twa(s["t_s"], s["qemu_own_bytes"]) / sandboxes,
             "store_bytes_avg": _twa(s["t_s"], s["store_bytes"]),
+            "store_live_bytes_avg": _twa(s["t_s"], s.get("store_live_bytes", [0.0] * len(s["t_s"]))),
             "zram_bytes_avg": _twa(s["t_s"], s["zram_bytes"]),
             "manager_rss_bytes_avg": _twa(s["t_s"], s["manager_rss_bytes"]),
             "host_cost_bytes_avg": _twa(s["t_s"], cost),
