@@ -41,6 +41,11 @@ from azqemu.errors import AzqemuError, DaemonBusy, DaemonError, DaemonUnavailabl
 from azqemu.names import validate_name
 
 CONNECT_TIMEOUT_S = 5.0
+# A pooled connection idle this long is not reused: well under the daemon's keep-alive
+# (daemon/server.py, KEEP_ALIVE_S = 5 s), so a request never goes out on a connection the
+# daemon is closing at that moment (seen as "Connection reset by peer" in a density run when
+# a tool call came ~5 s after the previous request, httpx's default expiry being 5 s too).
+KEEPALIVE_S = 2.0
 # How long one poll of a job waits in the daemon (the client polls again until it is done).
 JOB_POLL_S = 60.0
 ENV_URL = "AZQ_API_URL"
@@ -85,12 +90,13 @@ class Client:
                  verify: bool | str | ssl.SSLContext = True) -> None:
         ep = endpoint(socket_path, url, token)
         self.where = ep.where
+        limits = httpx.Limits(keepalive_expiry=KEEPALIVE_S)   # given to the transport: the client's own is not used then
         if ep.uds is None:
             if isinstance(verify, str):   # a CA bundle (the daemon's own certificate)
                 verify = ssl.create_default_context(cafile=verify)
-            transport = httpx.HTTPTransport(verify=verify)
+            transport = httpx.HTTPTransport(verify=verify, limits=limits)
         else:
-            transport = httpx.HTTPTransport(uds=ep.uds)
+            transport = httpx.HTTPTransport(uds=ep.uds, limits=limits)
         self._http = httpx.Client(transport=transport, base_url=ep.base_url + PREFIX, headers=ep.headers,
                                   timeout=httpx.Timeout(timeout_s, connect=CONNECT_TIMEOUT_S))
 
