@@ -327,7 +327,8 @@ def summarize(wl: Workload, sandboxes: int, runs: list[PolicyRun], template_byte
             "owned_bytes_avg_per_sandbox": _twa(s["t_s"], s["owned_bytes"]) / sandboxes,
             "qemu_own_bytes_avg": _twa(s["t_s"], s["qemu_own_bytes"]) / sandboxes,
             "store_bytes_avg": _twa(s["t_s"], s["store_bytes"]),
-            "store_live_bytes_avg": _twa(s["t_s"], s.get("store_live_bytes", [0.0] * len(s["t_s"]))),
+            # A series without it (made before it was sampled) is unknown, not all dead.
+            "store_live_bytes_avg": _twa(s["t_s"], s["store_live_bytes"]) if "store_live_bytes" in s else float("nan"),
             "zram_bytes_avg": _twa(s["t_s"], s["zram_bytes"]),
             "manager_rss_bytes_avg": _twa(s["t_s"], s["manager_rss_bytes"]),
             "host_cost_bytes_avg": _twa(s["t_s"], cost),

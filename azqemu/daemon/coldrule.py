@@ -27,7 +27,7 @@ JUDGE_PAGES = 256
 # A trim reads and hashes every copy its sandbox holds, vCPUs paused. In long-lived-heap at 8
 # sandboxes half of the trims dropped under 2% of the copies (the tool call was using what it
 # held) and took 43% of the trims' CPU: after such a trim the next waits twice as long, up to
-# BACKOFF_MAX_S; a trim that pays, or a new tool call, brings the pace back.
+# BACKOFF_MAX_S; a trim that pays, or a compression in the next wait, brings the pace back.
 PAYOFF_SHARE = 0.02
 BACKOFF_MAX_S = 32.0
 
@@ -78,7 +78,8 @@ class ColdRule:
 
     def forget_drops(self) -> None:
         """A compression starts a new fault record: drops noted before it cannot be judged,
-        and a new tool call: what the last one left alone does not pace its trims."""
+        and the trims' pace starts again (what the tool call before the wait left alone says
+        nothing about the next one; a wait too short to compress keeps the pace)."""
         self.pace_s = 0.0
         self._dropped = np.empty(0, dtype=np.int64)
 

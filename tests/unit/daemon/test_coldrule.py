@@ -44,7 +44,7 @@ def test_the_rule_stays_within_its_bounds(shares: list[float]) -> None:
 def test_trims_that_drop_little_space_out_the_next_ones() -> None:
     """Each trim that drops under PAYOFF_SHARE of the copies doubles the least wait before
     the next (from twice the shortest cold age, up to BACKOFF_MAX_S); one that pays, or a
-    new tool call, brings it back to nothing."""
+    compression (forget_drops), brings it back to nothing."""
     r = ColdRule()
     waits = []
     for k in range(6):
