@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from azqemu.bench import hostcpu, hostmem, toolcalls
+from azqemu.bench import hostcpu, hostmem, rounds, toolcalls
 from azqemu.bench.workload import Step, Workload
 from azqemu.client import Client
 from azqemu.errors import AzqemuError, ConfigError
@@ -360,35 +360,40 @@ def comparable_output(out: bytes) -> bytes:
 
 
 def outputs_identical(result: dict[str, Any]) -> list[str]:
-    """Steps whose exit code or output differ between policies (should be none)."""
+    """Steps whose exit code or output differ between policies, or between the rounds of a
+    policy, from the first policy's first round (should be none)."""
     pols = list(result["policies"])
-    if len(pols) < 2:
-        return []
-    ref = {(s["sandbox"], s["step"]): s for s in result["policies"][pols[0]]["steps"]}
+    ref = {(s["sandbox"], s["step"]): s for s in result["policies"][pols[0]]["steps"] if not s.get("round")}
     diffs = []
-    for p in pols[1:]:
+    for p in pols:
         for s in result["policies"][p]["steps"]:
             r = ref.get((s["sandbox"], s["step"]))
             if r is None or (r["exit_code"], r["output_sha"]) != (s["exit_code"], s["output_sha"]):
-                diffs.append(f"{p}: sandbox {s['sandbox']} step {s['step']} ({s['label']}) differs from {pols[0]}")
+                where = f" in round {s['round'] + 1}" if "round" in s else ""
+                diffs.append(f"{p}: sandbox {s['sandbox']} step {s['step']} ({s['label']}){where} "
+                             f"differs from {pols[0]}")
     return diffs
 
 
 def run_density(wl: Workload, sandboxes: int, policies: list[str], *, seed: int = 0, scale: str = "full",
                 grace_s: float = policy_mod.DEFAULT_GRACE_S, pressure_budget_bytes: int | None = None,
-                progress: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
+                round_count: int = 1, progress: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
+    """Every policy ``round_count`` times, the order reversed every other round (rounds.py)."""
     for p in policies:
         policy_mod.get(p)
     if len(set(policies)) != len(policies):
         raise ConfigError("a policy is named twice")
+    if round_count < 1:
+        raise ConfigError(f"rounds must be at least 1, not {round_count}")
     # SIGTERM and SIGHUP end the run like Ctrl-C: sandboxes destroyed, the host put back.
     with signals_raise():
         return _run_density(wl, sandboxes, policies, seed=seed, scale=scale, grace_s=grace_s,
-                            pressure_budget_bytes=pressure_budget_bytes, progress=progress)
+                            pressure_budget_bytes=pressure_budget_bytes, round_count=round_count,
+                            progress=progress)
 
 
 def _run_density(wl: Workload, sandboxes: int, policies: list[str], *, seed: int, scale: str,
-                 grace_s: float, pressure_budget_bytes: int | None,
+                 grace_s: float, pressure_budget_bytes: int | None, round_count: int,
                  progress: Callable[[str], None]) -> dict[str, Any]:
     c = Client()
     left = destroy_prefixed(c, BENCH_PREFIX)
@@ -401,12 +406,19 @@ def _run_density(wl: Workload, sandboxes: int, policies: list[str], *, seed: int
         # Budget for the pressure ablation: half of what the sandboxes hold uncompressed.
         pressure_budget_bytes = sandboxes * tmeta["ram_data_bytes"] // 2
     manager_idle = _manager_memory(c)      # before any sandbox of this run
-    runs = []
-    for p in policies:
-        runs.append(run_policy(c, template, wl, plan, p, grace_s=grace_s, progress=progress,
-                               pressure_budget_bytes=pressure_budget_bytes, manager_idle=manager_idle))
-        progress(f"[{p}] done: {runs[-1].extra.get('run_s', 0):.0f} s")
-    result = summarize(wl, sandboxes, runs, tmeta["ram_data_bytes"])
+    orders = [rounds.round_order(policies, r) for r in range(round_count)]
+    results = []
+    for r, order in enumerate(orders):
+        runs: dict[str, PolicyRun] = {}
+        for p in order:
+            if round_count > 1:
+                progress(f"round {r + 1} of {round_count}: {p}")
+            runs[p] = run_policy(c, template, wl, plan, p, grace_s=grace_s, progress=progress,
+                                 pressure_budget_bytes=pressure_budget_bytes, manager_idle=manager_idle)
+            progress(f"[{p}] done: {runs[p].extra.get('run_s', 0):.0f} s")
+        # Each round's result lists the policies in the order given, whatever order they ran in.
+        results.append(summarize(wl, sandboxes, [runs[p] for p in policies], tmeta["ram_data_bytes"]))
+    result = rounds.merge(results, orders)
     # The manager before the run and once every sandbox of it is gone (it should be back).
     result["manager_idle"], result["manager_after"] = manager_idle, _manager_memory(c)
     return result

@@ -107,11 +107,66 @@ def ratios(result: dict[str, Any]) -> dict[str, dict[str, float | None]]:
     return out
 
 
+# The figures whose spread over the rounds is stated (rounds.py): (key, how to read it).
+SPREAD_FIGURES = ("host_cost_bytes_avg", "owned_bytes_avg", "tool_latency_median_s", "ratio_vs_none_cow",
+                  "slowdown_vs_none_cow")
+
+
+def round_spread(result: dict[str, Any]) -> dict[str, dict[str, list[float]]]:
+    """Per policy, each of SPREAD_FIGURES taken in each round on its own (the ratios within
+    the round): {policy: {figure: [round 1, round 2, ...]}}; empty for a result of one round."""
+    rounds = result.get("rounds") or []
+    if len(rounds) < 2:
+        return {}
+    per_round = [ratios(rr) for rr in rounds]
+    out: dict[str, dict[str, list[float]]] = {}
+    for name in result["policies"]:
+        fig: dict[str, list[float]] = {}
+        for rr, rat in zip(rounds, per_round):
+            pol = rr["policies"].get(name, {})
+            values = {"host_cost_bytes_avg": _get(pol, "host_cost_bytes_avg"),
+                      "owned_bytes_avg": _get(pol, "owned_bytes_avg"),
+                      "tool_latency_median_s": _get(pol, "tool_latency_s.median"),
+                      "ratio_vs_none_cow": rat.get(name, {}).get("ratio_vs_none_cow"),
+                      "slowdown_vs_none_cow": rat.get(name, {}).get("slowdown_vs_none_cow")}
+            for key in SPREAD_FIGURES:
+                v = values[key]
+                if v is not None and math.isfinite(v):
+                    fig.setdefault(key, []).append(v)
+        out[name] = fig
+    return out
+
+
+def spread_lines(result: dict[str, Any]) -> list[str]:
+    """One line per policy: each figure's range over the rounds (empty for one round)."""
+    spread = round_spread(result)
+    if not spread:
+        return []
+    orders = " / ".join("-".join(rr["order"]) for rr in result["rounds"])
+    lines = [f"{len(result['rounds'])} rounds ({orders}); the figures above are the rounds' means, "
+             "the ranges each round on its own (ratios within the round):"]
+    for name in ordered_policies(result):
+        fig = spread.get(name, {})
+        cells = []
+        for key, label, cell in (("host_cost_bytes_avg", "host cost MiB", _mib_cell),
+                                 ("owned_bytes_avg", "owned MiB", _mib_cell),
+                                 ("tool_latency_median_s", "p50 s", _s),
+                                 ("ratio_vs_none_cow", "vs none-cow", _x),
+                                 ("slowdown_vs_none_cow", "slowdown", _x)):
+            if fig.get(key):
+                cells.append(f"{label} {cell(min(fig[key]))}-{cell(max(fig[key]))}")
+        lines.append(f"  {name}: " + ", ".join(cells))
+    return lines
+
+
 def with_ratios(result: dict[str, Any]) -> dict[str, Any]:
-    """A copy of the result with the ratios added to each policy (added keys, contract intact)."""
+    """A copy of the result with the ratios added to each policy (added keys, contract intact)
+    and, for a result of several rounds, each figure per round (``rounds_spread``)."""
     out = json.loads(json.dumps(result, default=_json_default))
     for name, row in ratios(result).items():
         out["policies"][name].update(row)
+    for name, fig in round_spread(result).items():
+        out["policies"][name]["rounds_spread"] = fig
     return out
 
 
@@ -189,6 +244,8 @@ def markdown_table(result: dict[str, Any]) -> str:
                      "and kernel objects are in host cost, in no sandbox figure): " + "; ".join(
                          f"{n}: " + ", ".join(f"{k.replace('_', ' ')} {_mib_cell(v)}" for k, v in d.items())
                          for n, d in parts.items()) + ".")
+    if spread := spread_lines(result):
+        notes.append(spread[0] + "\n" + "\n".join(f"- {line.strip()}" for line in spread[1:]) + "\n")
     if calls := toolcalls.markdown_note(result):
         notes.append(calls)
     if cpu := hostcpu.markdown_note(result):
@@ -235,7 +292,10 @@ def rich_table(result: dict[str, Any]) -> Any:
 
 def print_table(result: dict[str, Any], console: Any = None) -> None:
     from rich.console import Console
-    (console or Console()).print(rich_table(result))
+    console = console or Console()
+    console.print(rich_table(result))
+    for line in spread_lines(result):
+        console.print(line, highlight=False)
 
 
 # ---------------------------------------------------------------------------------------

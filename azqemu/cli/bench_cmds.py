@@ -124,10 +124,13 @@ def _progress(msg: str) -> None:
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--grace", "grace_s", default=1.0, show_default=True, type=float,
               help="Seconds of LLM wait before a policy compresses or reclaims.")
+@click.option("--rounds", "round_count", default=1, show_default=True, type=click.IntRange(1, 20),
+              help="Run every policy this many times, the order reversed every other round (A-B-B-A): "
+                   "the figures are the rounds' means, and each figure's range over the rounds is printed.")
 @click.option("--out", "out_dir", default=None, help="Directory for JSON, markdown and PNG plots.")
 @json_option
 def bench_density(workload_name: str, sandboxes: int, policies: tuple[str, ...], scale: str, seed: int,
-                  grace_s: float, out_dir: str | None, as_json: bool) -> None:
+                  grace_s: float, round_count: int, out_dir: str | None, as_json: bool) -> None:
     """Run one workload under each policy, side by side on this host, and compare memory and latency."""
     from pathlib import Path
 
@@ -138,7 +141,7 @@ def bench_density(workload_name: str, sandboxes: int, policies: tuple[str, ...],
     pols = list(policies) or list(density.DEFAULT_POLICIES)
     with ensure_daemon():
         result = density.run_density(wl, sandboxes, pols, seed=seed, scale=scale, grace_s=grace_s,
-                                     progress=_progress)
+                                     round_count=round_count, progress=_progress)
     out = Path(out_dir or f"results/density-{time.strftime('%Y%m%d-%H%M%S')}")
     files = report.write_report(result, out)
     diffs = density.outputs_identical(result)
