@@ -255,6 +255,12 @@ def run_policy(c: Client, template: str, wl: Workload, plan: list[list[Step]], p
                       "store_bytes": sampler.store, "store_live_bytes": sampler.store_live, "zram_bytes": sampler.zram,
                       "manager_rss_bytes": sampler.manager_rss, "qemu_own_bytes": sampler.qemu_own,
                       "host_cost_bytes": sampler.host_cost, "manager_anon_bytes": sampler.manager_anon}
+    # The idle host again once the sandboxes are gone and the host is put back: a baseline
+    # taken while the kernel was still freeing an earlier domain's memory shows as a drop here,
+    # and it lowered this policy's host cost by as much (report.idle_drift_note).
+    after = hostmem.idle_baseline(duration_s=2.0)
+    run.extra.update(host_idle_used_bytes=baseline.used_bytes, host_idle_after_used_bytes=after.used_bytes,
+                     host_idle_drift_bytes=after.used_bytes - baseline.used_bytes)
     return run
 
 

@@ -159,6 +159,23 @@ def spread_lines(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def idle_drift_note(result: dict[str, Any]) -> str:
+    """How far the idle host moved across each policy (after its sandboxes are gone minus
+    before they were made; each round's where there are rounds), or "" if not measured."""
+    cells = []
+    for name in ordered_policies(result):
+        per_round = [rr["policies"].get(name, {}).get("host_idle_drift_bytes") for rr in result.get("rounds", [])]
+        values = [v for v in per_round if v is not None] or \
+            [v for v in [result["policies"][name].get("host_idle_drift_bytes")] if v is not None]
+        if values:
+            cells.append(f"{name} " + " / ".join(f"{v / MIB:+,.1f}" for v in values))
+    if not cells:
+        return ""
+    return ("The idle host after each policy minus before it (MiB; per round where there are rounds; a drop "
+            "means the baseline was taken while memory was still being freed, and lowered that policy's "
+            "host cost by as much): " + "; ".join(cells) + ".")
+
+
 def with_ratios(result: dict[str, Any]) -> dict[str, Any]:
     """A copy of the result with the ratios added to each policy (added keys, contract intact)
     and, for a result of several rounds, each figure per round (``rounds_spread``)."""
@@ -244,6 +261,8 @@ def markdown_table(result: dict[str, Any]) -> str:
                      "and kernel objects are in host cost, in no sandbox figure): " + "; ".join(
                          f"{n}: " + ", ".join(f"{k.replace('_', ' ')} {_mib_cell(v)}" for k, v in d.items())
                          for n, d in parts.items()) + ".")
+    if drift := idle_drift_note(result):
+        notes.append(drift)
     if spread := spread_lines(result):
         notes.append(spread[0] + "\n" + "\n".join(f"- {line.strip()}" for line in spread[1:]) + "\n")
     if calls := toolcalls.markdown_note(result):

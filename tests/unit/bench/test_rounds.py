@@ -17,7 +17,7 @@ MIB = 1 << 20
 
 
 def _run(policy: str, cost_mib: float, latencies: list[float], *, peak_mib: float | None = None,
-         sha: str = "x", cpu_per_wait: float | None = None) -> PolicyRun:
+         sha: str = "x", cpu_per_wait: float | None = None, idle_drift_mib: float = 0.0) -> PolicyRun:
     t = [0.0, 1.0, 2.0]
     cost = [cost_mib * MIB, (peak_mib or cost_mib) * MIB, cost_mib * MIB]
     series = {"t_s": t, "owned_bytes": [cost_mib * MIB / 2] * 3, "host_used_bytes": cost,
@@ -25,7 +25,8 @@ def _run(policy: str, cost_mib: float, latencies: list[float], *, peak_mib: floa
               "qemu_own_bytes": [0.0] * 3, "host_cost_bytes": cost, "manager_anon_bytes": [0.0] * 3}
     steps = [StepResult(0, k, "edit" if k % 2 else "test", 0, lat, sha) for k, lat in enumerate(latencies)]
     return PolicyRun(policy, series, steps, {"compress_cpu_s_per_wait": cpu_per_wait, "zram_algorithm": "lz4",
-                                             "host_parts_bytes_avg": {"anon": cost_mib * MIB}})
+                                             "host_parts_bytes_avg": {"anon": cost_mib * MIB},
+                                             "host_idle_drift_bytes": idle_drift_mib * MIB})
 
 
 def _round(cow_mib: float, az_mib: float, cow_lat: list[float], az_lat: list[float], **az: object) -> dict:
@@ -107,3 +108,17 @@ def test_unknown_in_every_round_stays_unknown() -> None:
     assert rounds._mean([None, None], "compress_cpu_s_per_wait") is None
     assert math.isnan(rounds._mean([float("nan"), float("nan")], "x"))
     assert rounds._mean([3, 5], "compressions") == 4.0
+
+
+def test_the_idle_host_drift_is_stated_per_policy_and_per_round() -> None:
+    one = _round(200, 50, [1.0], [2.0], idle_drift_mib=-56)
+    note = report.idle_drift_note(one)
+    assert "none-cow +0.0" in note and "agentzip -56.0" in note
+    assert "agentzip -56.0" in report.markdown_table(one)
+    two = rounds.merge([one, _round(220, 40, [1.0], [1.5], idle_drift_mib=2)],
+                       [["none-cow", "agentzip"], ["agentzip", "none-cow"]])
+    assert "agentzip -56.0 / +2.0" in report.idle_drift_note(two)
+    # A result from before the figure existed says nothing about it.
+    for pol in one["policies"].values():
+        del pol["host_idle_drift_bytes"]
+    assert report.idle_drift_note(one) == ""
