@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 from rich.console import Console
 
+from azqemu.bench import density as density_mod
 from azqemu.bench import report, rounds
 from azqemu.bench.density import PolicyRun, StepResult, outputs_identical, summarize
 
@@ -122,3 +123,38 @@ def test_the_idle_host_drift_is_stated_per_policy_and_per_round() -> None:
     for pol in one["policies"].values():
         del pol["host_idle_drift_bytes"]
     assert report.idle_drift_note(one) == ""
+
+
+def test_the_cli_passes_the_rounds_and_refuses_zero(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
+    import contextlib
+
+    from click.testing import CliRunner
+
+    from azqemu.bench import density
+    from azqemu.cli import bench_cmds
+
+    merged = rounds.merge([_round(200, 50, [1.0], [2.0]), _round(220, 40, [1.0], [1.5])],
+                          [["none-cow", "agentzip"], ["agentzip", "none-cow"]])
+    seen: list[int] = []
+
+    def fake_density(wl: object, n: int, policies: list[str], **kw: object) -> dict:
+        seen.append(kw["round_count"])  # type: ignore[arg-type]
+        return merged
+
+    monkeypatch.setattr(bench_cmds, "ensure_daemon", contextlib.nullcontext)
+    monkeypatch.setattr(density, "run_density", fake_density)
+    r = CliRunner().invoke(bench_cmds.bench, ["density", "-n", "2", "--policy", "none-cow", "--policy", "agentzip",
+                                              "--rounds", "2", "--json", "--out", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    assert seen == [2]
+    assert json.loads(r.stdout)["policies"]["agentzip"]["rounds_spread"]["ratio_vs_none_cow"] == pytest.approx([4.0, 5.5])
+    bad = CliRunner().invoke(bench_cmds.bench, ["density", "--rounds", "0"])
+    assert bad.exit_code == 2 and "--rounds" in bad.output and seen == [2]
+
+
+def test_run_density_refuses_zero_rounds_before_touching_the_host() -> None:
+    from azqemu.bench.workload import load
+    from azqemu.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="rounds must be at least 1"):
+        density_mod.run_density(load("coding-agent"), 1, ["none-cow"], round_count=0)
