@@ -257,7 +257,9 @@ def run_policy(c: Client, template: str, wl: Workload, plan: list[list[Step]], p
                       "host_cost_bytes": sampler.host_cost, "manager_anon_bytes": sampler.manager_anon}
     # The idle host again once the sandboxes are gone and the host is put back: a baseline
     # taken while the kernel was still freeing an earlier domain's memory shows as a drop here,
-    # and it lowered this policy's host cost by as much (report.idle_drift_note).
+    # memory that came during the run and stayed as a rise; either moved this policy's host
+    # cost the same way (report.idle_drift_note). The idle host alone moves by tens of MiB
+    # (MemAvailable's estimate of reclaimable cache; docs/figures.md, session 16).
     after = hostmem.idle_baseline(duration_s=2.0)
     run.extra.update(host_idle_used_bytes=baseline.used_bytes, host_idle_after_used_bytes=after.used_bytes,
                      host_idle_drift_bytes=after.used_bytes - baseline.used_bytes)

@@ -107,7 +107,7 @@ def ratios(result: dict[str, Any]) -> dict[str, dict[str, float | None]]:
     return out
 
 
-# The figures whose spread over the rounds is stated (rounds.py): (key, how to read it).
+# The figures whose spread over the rounds is stated (rounds.py).
 SPREAD_FIGURES = ("host_cost_bytes_avg", "owned_bytes_avg", "tool_latency_median_s", "ratio_vs_none_cow",
                   "slowdown_vs_none_cow")
 
@@ -171,9 +171,9 @@ def idle_drift_note(result: dict[str, Any]) -> str:
             cells.append(f"{name} " + " / ".join(f"{v / MIB:+,.1f}" for v in values))
     if not cells:
         return ""
-    return ("The idle host after each policy minus before it (MiB; per round where there are rounds; a drop "
-            "means the baseline was taken while memory was still being freed, and lowered that policy's "
-            "host cost by as much): " + "; ".join(cells) + ".")
+    return ("The idle host after each policy minus before it (MiB; per round where there are rounds): a drop "
+            "means the baseline was taken while memory was still being freed, a rise that memory came and "
+            "stayed; either moved that policy's host cost the same way, by up to as much: " + "; ".join(cells) + ".")
 
 
 def with_ratios(result: dict[str, Any]) -> dict[str, Any]:
