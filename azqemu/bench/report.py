@@ -107,11 +107,6 @@ def ratios(result: dict[str, Any]) -> dict[str, dict[str, float | None]]:
     return out
 
 
-# The figures whose spread over the rounds is stated (rounds.py).
-SPREAD_FIGURES = ("host_cost_bytes_avg", "owned_bytes_avg", "tool_latency_median_s", "ratio_vs_none_cow",
-                  "slowdown_vs_none_cow")
-
-
 def round_spread(result: dict[str, Any]) -> dict[str, dict[str, list[float]]]:
     """Per policy, each of SPREAD_FIGURES taken in each round on its own (the ratios within
     the round): {policy: {figure: [round 1, round 2, ...]}}; empty for a result of one round."""
@@ -127,10 +122,9 @@ def round_spread(result: dict[str, Any]) -> dict[str, dict[str, list[float]]]:
             values = {"host_cost_bytes_avg": _get(pol, "host_cost_bytes_avg"),
                       "owned_bytes_avg": _get(pol, "owned_bytes_avg"),
                       "tool_latency_median_s": _get(pol, "tool_latency_s.median"),
-                      "ratio_vs_none_cow": rat.get(name, {}).get("ratio_vs_none_cow"),
-                      "slowdown_vs_none_cow": rat.get(name, {}).get("slowdown_vs_none_cow")}
-            for key in SPREAD_FIGURES:
-                v = values[key]
+                      **rat.get(name, {})}
+            for key, _label, _cell in SPREAD_FIGURES:
+                v = values.get(key)
                 if v is not None and math.isfinite(v):
                     fig.setdefault(key, []).append(v)
         out[name] = fig
@@ -147,14 +141,8 @@ def spread_lines(result: dict[str, Any]) -> list[str]:
              "the ranges each round on its own (ratios within the round):"]
     for name in ordered_policies(result):
         fig = spread.get(name, {})
-        cells = []
-        for key, label, cell in (("host_cost_bytes_avg", "host cost MiB", _mib_cell),
-                                 ("owned_bytes_avg", "owned MiB", _mib_cell),
-                                 ("tool_latency_median_s", "p50 s", _s),
-                                 ("ratio_vs_none_cow", "vs none-cow", _x),
-                                 ("slowdown_vs_none_cow", "slowdown", _x)):
-            if fig.get(key):
-                cells.append(f"{label} {cell(min(fig[key]))}-{cell(max(fig[key]))}")
+        cells = [f"{label} {cell(min(fig[key]))}-{cell(max(fig[key]))}"
+                 for key, label, cell in SPREAD_FIGURES if fig.get(key)]
         lines.append(f"  {name}: " + ", ".join(cells))
     return lines
 
@@ -163,10 +151,11 @@ def idle_drift_note(result: dict[str, Any]) -> str:
     """How far the idle host moved across each policy (after its sandboxes are gone minus
     before they were made; each round's where there are rounds), or "" if not measured."""
     cells = []
+    # A result of one round is its own only round.
+    each_round = result.get("rounds") or [result]
     for name in ordered_policies(result):
-        per_round = [rr["policies"].get(name, {}).get("host_idle_drift_bytes") for rr in result.get("rounds", [])]
-        values = [v for v in per_round if v is not None] or \
-            [v for v in [result["policies"][name].get("host_idle_drift_bytes")] if v is not None]
+        values = [v for rr in each_round
+                  if (v := rr["policies"].get(name, {}).get("host_idle_drift_bytes")) is not None]
         if values:
             cells.append(f"{name} " + " / ".join(f"{v / MIB:+,.1f}" for v in values))
     if not cells:
@@ -197,6 +186,12 @@ def _x(x: float | None) -> str:
 
 def _s(x: float | None) -> str:
     return "—" if x is None or not math.isfinite(x) else f"{x:.2f}"
+
+
+# The figures whose spread over the rounds is stated (rounds.py): key, label, cell format.
+SPREAD_FIGURES = (("host_cost_bytes_avg", "host cost MiB", _mib_cell), ("owned_bytes_avg", "owned MiB", _mib_cell),
+                  ("tool_latency_median_s", "p50 s", _s), ("ratio_vs_none_cow", "vs none-cow", _x),
+                  ("slowdown_vs_none_cow", "slowdown", _x))
 
 
 HEADERS = ("policy", "host cost avg MiB", "host cost peak MiB", "vs none", "vs none-cow", "owned avg MiB",

@@ -31,8 +31,8 @@ _POOLED = ("tool_latency_s", "tool_latencies_s", "steps", "tool_latency_by_kind"
 # a reader checks first when two rounds disagree.
 ROUND_FIGURES = ("host_cost_bytes_avg", "owned_bytes_avg", "host_used_bytes_avg", "tool_latency_s",
                  "qemu_own_bytes_avg", "host_parts_bytes_avg", "store_bytes_avg", "zram_bytes_avg",
-                 "manager_anon_above_idle_bytes_avg", "host_idle_drift_bytes", "compress_cpu_s_total", "qemu_cpu_s", "manager_cpu_s",
-                 "host_cpu_busy_share", "run_s")
+                 "manager_anon_above_idle_bytes_avg", "host_idle_drift_bytes", "compress_cpu_s_total",
+                 "qemu_cpu_s", "manager_cpu_s", "host_cpu_busy_share", "run_s")
 
 
 def round_order(policies: list[str], round_index: int) -> list[str]:
