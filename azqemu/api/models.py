@@ -185,6 +185,13 @@ class CompressResult(Response):
     # reached and stay resident for the next compression.
     budget_stopped: bool = False
     left_pages: int = 0
+    # Copies still equal to their stored entries: not encoded again.
+    unchanged_pages: int = 0
+    encode_s: float = 0.0
+    # CPU seconds of the compressing thread, and its codec attempts per codec (zstd, xor,
+    # prefix, sdelta, lz4, patch): where a wait's compression CPU went.
+    cpu_s: float = 0.0
+    tries: dict[str, int] = {}
 
 
 class TrimResult(Response):

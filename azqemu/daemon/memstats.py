@@ -34,6 +34,7 @@ class CompressStats:
     unchanged_pages: int = 0   # copies still equal to their stored entries: not encoded again
     budget_stopped: bool = False   # the wait's CPU budget ran out (daemon/cpubudget.py)
     left_pages: int = 0        # copies it did not reach: resident as they were
+    tries: dict[str, int] = field(default_factory=dict)   # codec attempts (zstd, xor, prefix, sdelta, lz4, patch)
 
 
 @dataclass

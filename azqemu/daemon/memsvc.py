@@ -328,7 +328,8 @@ class MemoryService:
                          duration_s=round(time.perf_counter() - t0, 6))
             raise
         finally:
-            self.compress_cpu_s[rec.name] = self.compress_cpu_s.get(rec.name, 0.0) + time.thread_time() - cpu0
+            cpu_s = time.thread_time() - cpu0
+            self.compress_cpu_s[rec.name] = self.compress_cpu_s.get(rec.name, 0.0) + cpu_s
             mem.template.drop_mapped()
             selfmem.trim_heap()
         durations.COMPRESS_SECONDS.observe(st.total_s)
@@ -346,7 +347,7 @@ class MemoryService:
                 "encode_s": st.encode_s, "punch_s": st.punch_s, "total_s": st.total_s,
                 "cancelled": st.cancelled, "unchanged_pages": st.unchanged_pages,
                 "budget_stopped": st.budget_stopped, "left_pages": st.left_pages, "stored_bytes": stored_bytes,
-                "resident_bytes": mem.resident_bytes()}
+                "resident_bytes": mem.resident_bytes(), "tries": st.tries, "cpu_s": cpu_s}
 
     def prefetch(self, name: str, *, hot: bool) -> dict[str, Any]:
         """A compressed sandbox's hot set back (before its vCPUs continue); {} otherwise."""

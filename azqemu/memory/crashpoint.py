@@ -15,6 +15,9 @@ Points (where they are, and what a restart must find):
     after-reclaim             storewrite: old files unlinked, dead blobs punched, arenas dropped
     after-flush               sandboxmem: the generation naming the pages is durable, none dropped
     after-discard-batch       sandboxmem: after each punch run / DISCARD request to QEMU
+    after-drop                sandboxmem, copy-on-write: a compression's copies dropped, its free
+                              pages mapped and their entries released in memory, not committed
+                              (the durable generation still names them: never served)
     after-free-compact        store: a sandbox freed (and arenas compacted) in memory, not flushed
     after-compact-copy        storewrite: an arena's live blobs copied to reserved room, not switched
     after-compact-switch      storewrite: the blobs point at their new places (in memory), the old
@@ -48,6 +51,8 @@ from collections.abc import Callable
 POINTS = ("after-encode", "after-flush-snapshot", "between-generation-files", "after-commit", "after-reclaim",
           "after-flush", "after-discard-batch", "after-free-compact", "after-compact-copy", "after-compact-switch")
 LIFECYCLE_POINTS = ("after-pause", "before-prefetch", "after-prefetch", "after-vcpu-resume", "after-reattach")
+# Points only a real copy-on-write guest reaches (tests/integration/test_crash_compress.py).
+COW_POINTS = ("after-drop",)
 
 
 def _parse(spec: str | None) -> tuple[str | None, int]:

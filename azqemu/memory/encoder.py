@@ -80,7 +80,7 @@ DEFAULT_EFFORT = 1
 PREFIX_MIN_SAME_WORDS = 8
 # A delta this small is not going to be beaten by plain zstd by DELTA_MIN_GAIN_BYTES: skip
 # the plain attempt (~0.5% of a page).
-TINY_DELTA_BYTES = 24
+TINY_DELTA_BYTES = 128
 
 # Unique pages are encoded in chunks through scratch buffers kept for the whole plan (5 x
 # 512 KiB, and the batch codec's 528 KiB output): fresh large allocations page-fault on every
@@ -89,7 +89,7 @@ TINY_DELTA_BYTES = 24
 # the vectorised steps per chunk cost ~0.1 ms against ~2 ms of zstd for 128 pages.
 UNIQUE_CHUNK_PAGES = 128
 # Below this many bytes a payload is not worth a further (costlier) attempt.
-SMALL_ENOUGH_BYTES = 64
+SMALL_ENOUGH_BYTES = 128
 
 _K_ZSTD, _K_TDELTA, _K_SDELTA, _K_RAW = int(Kind.ZSTD), int(Kind.TDELTA), int(Kind.SDELTA), int(Kind.RAW)
 _K_LZ4 = int(Kind.LZ4)

@@ -24,10 +24,22 @@ _SHIFTS = np.array([0, 2, 4, 6], dtype=np.uint8)
 
 
 def _pack(page_idx: np.ndarray, value: np.ndarray, n_slots: int) -> bytearray:
-    vals = np.zeros((n_slots + 3) // 4 * 4, dtype=np.uint8)
-    vals[page_idx] = value
-    packed = (vals.reshape(-1, 4) << _SHIFTS).sum(axis=1, dtype=np.uint8)
+    # Page indices are unique: their 2-bit fields never overlap, so adding them into their
+    # bytes is or-ing them. O(pages in the map), not O(slots): a compression commits often.
+    packed = np.zeros((n_slots + 3) // 4, dtype=np.uint8)
+    p = np.asarray(page_idx, dtype=np.int64)
+    np.add.at(packed, p >> 2, (np.asarray(value, dtype=np.uint8) << ((p & 3) * 2).astype(np.uint8)))
     return bytearray(packed.tobytes())
+
+
+def _field_counts(value: int) -> np.ndarray:
+    """For each byte 0-255: how many of its four 2-bit fields equal ``value`` (0: non-zero)."""
+    b = np.arange(256, dtype=np.uint8)
+    fields = (b[:, None] >> _SHIFTS) & 3
+    return ((fields != 0) if value == 0 else (fields == value)).sum(axis=1).astype(np.int64)
+
+
+_NONZERO_FIELDS, _ZERO_FIELDS, _TEMPLATE_FIELDS = _field_counts(0), _field_counts(_MAP_ZERO), _field_counts(_MAP_TEMPLATE)
 
 
 @dataclass
@@ -66,12 +78,23 @@ class SandboxIndex:
         packed = np.frombuffer(self.zt, dtype=np.uint8)
         return ((packed[:, None] >> _SHIFTS) & 3).reshape(-1)
 
+    def _map_pages(self) -> tuple[np.ndarray, np.ndarray]:
+        """(page indices, map values) of the pages in the map, ascending: only the non-zero
+        bytes are unpacked (the map spans the highest page ever mapped; few pages are in it)."""
+        if not self.zt:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.uint8)
+        packed = np.frombuffer(self.zt, dtype=np.uint8)
+        nz = np.flatnonzero(packed)
+        vals = ((packed[nz][:, None] >> _SHIFTS) & 3).reshape(-1)
+        pages = (nz[:, None] * 4 + np.arange(4)).reshape(-1)
+        set_ = vals != 0
+        return pages[set_], vals[set_]
+
     def expand(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """One row per stored page, sorted by page index: (page_idx int64, kind, flags, ref)."""
-        vals = self._map_values()
-        mp = np.flatnonzero(vals).astype(np.int64)
+        mp, vals = self._map_pages()
         p = np.concatenate([mp, self.page.astype(np.int64)])
-        k = np.concatenate([_KIND_OF_MAP[vals[mp]], self.kind])
+        k = np.concatenate([_KIND_OF_MAP[vals], self.kind])
         f = np.concatenate([np.zeros(len(mp), np.uint8), self.flags])
         r = np.concatenate([np.zeros(len(mp), np.uint32), self.ref])
         order = np.argsort(p, kind="stable")
@@ -130,7 +153,8 @@ class SandboxIndex:
 
     @property
     def n_pages(self) -> int:
-        return int(np.count_nonzero(self._map_values())) + len(self.page)
+        packed = np.frombuffer(self.zt, dtype=np.uint8)
+        return int(_NONZERO_FIELDS[packed].sum()) + len(self.page)
 
     @property
     def nbytes(self) -> int:
@@ -151,10 +175,10 @@ class SandboxIndex:
                    np.ascontiguousarray(rec["flags"]), np.ascontiguousarray(rec["ref"]))
 
     def kind_page_counts(self) -> np.ndarray:
-        vals = self._map_values()
+        packed = np.frombuffer(self.zt, dtype=np.uint8)
         counts = np.bincount(self.kind, minlength=len(Kind)).astype(np.int64)
-        counts[int(Kind.ZERO)] += int(np.count_nonzero(vals == _MAP_ZERO))
-        counts[int(Kind.TEMPLATE)] += int(np.count_nonzero(vals == _MAP_TEMPLATE))
+        counts[int(Kind.ZERO)] += int(_ZERO_FIELDS[packed].sum())
+        counts[int(Kind.TEMPLATE)] += int(_TEMPLATE_FIELDS[packed].sum())
         return counts
 
     def check(self) -> str | None:

@@ -40,6 +40,8 @@ def test_a_compression_past_its_budget_leaves_the_rest_resident(template: str, d
         _restart(daemon)
         st = c.compress(name=name)
         assert not st.budget_stopped and st.left_pages == 0 and st.stored_pages > 0, st
+        # Where its CPU went: the thread's CPU seconds and the codec attempts (new text: zstd).
+        assert st.cpu_s > 0 and st.tries.get("zstd", 0) > 0 and st.unchanged_pages >= 0, st
         md5_ok(name)
         wait_rounds(name, "b", rounds, timeout_s=180)
     finally:

@@ -50,7 +50,7 @@ def _fresh_pages_zero(name: str) -> None:
 
 @pytest.mark.parametrize(("ram_mode", "point"), [
     ("lazy", "after-discard-batch@2"), ("lazy", "after-flush"), ("lazy", "after-encode"),
-    ("cow", "after-discard-batch"), ("cow", "between-generation-files"),
+    ("cow", "after-discard-batch"), ("cow", "between-generation-files"), ("cow", "after-drop"),
     ("eager", "after-discard-batch@3"), ("eager", "after-commit"), ("lazy", "after-reclaim@2")])
 def test_manager_killed_during_compress_loses_no_page(template: str, daemon: dict, ram_mode: str,
                                                       point: str) -> None:

@@ -213,3 +213,30 @@ def test_patches_of_template_pages_stay_out_of_the_domain_indices(store_dir, cor
         for sb in ("a", "b"):
             np.testing.assert_array_equal(store.decode(sb, idx), pages)
         store.check_consistency()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_small_enough_delta_ends_the_attempts(store_dir, native: bool) -> None:
+    """A page a few bytes from its template page (a walked or lightly updated heap, thousands
+    of them a wait) costs no zstd attempt once a delta is small enough (SMALL_ENOUGH_BYTES):
+    a short PATCH is taken as it is; an XOR delta that zstd makes small ends the search
+    before plain zstd and the prefix attempt. Both loops, the C one and the Python fallback."""
+    from azqemu.memory.encoder import SMALL_ENOUGH_BYTES
+    tpl = [random_page(100 + i) for i in range(4)]
+    template = make_template(tpl, n_pages=16)
+    short = tpl[0].copy()
+    short[[64, 700, 1900, 3000]] ^= 0x5A                        # a patch of a few runs
+    spread = tpl[1].copy()
+    spread[np.arange(0, PAGE_SIZE, 16)] ^= 0x01                 # 256 runs: no patch, a tiny XOR
+    with PageStore(store_dir, arena_bytes=SMALL_ARENA) as store:
+        if not native:
+            store.zstd.native = None
+        elif store.zstd.native is None:
+            pytest.skip("_pagecodec.so not built")
+        r = store.encode("a", "d", np.array([0]), short[None], template)
+        assert r.tries["zstd"] == r.tries["xor"] == r.tries["prefix"] == 0, r.tries
+        assert 0 < r.bytes["TDELTA"] <= SMALL_ENOUGH_BYTES
+        r = store.encode("a", "d", np.array([1]), spread[None], template)
+        assert r.tries["xor"] == 1 and r.tries["zstd"] == r.tries["prefix"] == 0, r.tries
+        assert 0 < r.bytes["TDELTA"] <= SMALL_ENOUGH_BYTES
+        np.testing.assert_array_equal(store.decode("a", np.array([0, 1])), np.stack([short, spread]))
