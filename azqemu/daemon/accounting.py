@@ -242,14 +242,14 @@ class Accounting:
         # bytes carry their share of them (pro rata): owned figures hide nothing.
         store_bytes, store_live, overhead = 0, 0, 1.0
         store = self.memory.opened_store()
+        books: dict[str, OwnedBytes] = {}
         if store is not None:
-            tb = store.total_bytes()
+            tb, books = store.books(names)
             store_bytes, store_live = int(tb.arena_allocated_bytes), int(tb.arena_live_bytes)
             dead = max(0, tb.arena_allocated_bytes - tb.arena_live_bytes)
             overhead = 1.0 + dead / tb.total_bytes if tb.total_bytes else 1.0
         rows = {}
         host_mm = self.read_host_mm()
-        books = store.owned_bytes_many(names) if store is not None else {}
         for n in names:
             try:
                 rows[n] = self.owned(n, store_overhead=overhead, host_mm=host_mm, books=books)

@@ -36,6 +36,12 @@ class CompressStats:
     left_pages: int = 0        # copies it did not reach: resident as they were
     tries: dict[str, int] = field(default_factory=dict)   # codec attempts (zstd, xor, prefix, sdelta, lz4, patch)
 
+    def add_encoded(self, pages: dict[str, int], nbytes: dict[str, int], tries: dict[str, int]) -> None:
+        """Count one encode call's pages and bytes per kind and codec attempts."""
+        for total, part in ((self.pages_by_kind, pages), (self.bytes_by_kind, nbytes), (self.tries, tries)):
+            for k, v in part.items():
+                total[k] = total.get(k, 0) + v
+
 
 @dataclass
 class TrimStats:

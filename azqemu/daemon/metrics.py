@@ -29,6 +29,7 @@ from prometheus_client.utils import floatToGoString
 from azqemu.daemon.durations import COMPRESS_SECONDS, RESTORE_SECONDS
 from azqemu.errors import AzqemuError, ConfigError, DomainNotFound
 from azqemu.host.memacct import KsmStat
+from azqemu.memory.accounting import OwnedBytes
 from azqemu.sched.phases import TOOL, UNKNOWN, WAIT
 
 if TYPE_CHECKING:
@@ -136,7 +137,7 @@ class DaemonCollector(Collector):
                                  labels=[*SANDBOX_LABELS, "ram_mode", "sharing_domain"])
         failed = 0
         records = reg.sandboxes.list()
-        store_bytes, store_live, overhead = self._store()
+        store_bytes, store_live, overhead, books = self._store([r.name for r in records])
         host_mm = m.accounting.read_host_mm()
         for rec in records:
             st = reg.sched.get(rec.name)
@@ -163,7 +164,7 @@ class DaemonCollector(Collector):
             if mem is not None:
                 faults.add_metric(labels, mem.handler.stats().faults)
                 self.faults.update(mem.handler)
-            row = self._owned(rec.name, overhead, host_mm) if dom_state not in FAILED_STATES else {}
+            row = self._owned(rec.name, overhead, host_mm, books) if dom_state not in FAILED_STATES else {}
             for k, fam in g.items():
                 fam.add_metric(labels, float(row.get(f"{k}_bytes", 0)))
         yield from g.values()
@@ -195,18 +196,21 @@ class DaemonCollector(Collector):
                                   "Fault service times recorded but not counted (ring overrun between scrapes)",
                                   value=self.faults.lost)
 
-    def _store(self) -> tuple[int, int, float]:
+    def _store(self, names: list[str]) -> tuple[int, int, float, dict[str, OwnedBytes]]:
+        """The store's bytes, its dead-bytes overhead, and the store books of ``names`` (the
+        blob table walked once per scrape, not once per sandbox)."""
         store = self.m.memory.opened_store()
         if store is None:
-            return 0, 0, 1.0
-        tb = store.total_bytes()
+            return 0, 0, 1.0, {}
+        tb, books = store.books(names)
         dead = max(0, tb.arena_allocated_bytes - tb.arena_live_bytes)
         overhead = 1.0 + dead / tb.total_bytes if tb.total_bytes else 1.0
-        return int(tb.arena_allocated_bytes), int(tb.arena_live_bytes), overhead
+        return int(tb.arena_allocated_bytes), int(tb.arena_live_bytes), overhead, books
 
-    def _owned(self, name: str, overhead: float, host_mm: tuple[KsmStat, dict[str, int]]) -> dict[str, Any]:
+    def _owned(self, name: str, overhead: float, host_mm: tuple[KsmStat, dict[str, int]],
+               books: dict[str, OwnedBytes]) -> dict[str, Any]:
         try:
-            return self.m.accounting.owned(name, store_overhead=overhead, host_mm=host_mm)
+            return self.m.accounting.owned(name, store_overhead=overhead, host_mm=host_mm, books=books)
         except (AzqemuError, OSError) as exc:  # a sandbox going away during the scrape
             log.debug("metrics: owned bytes of %s: %s", name, exc)
             return {}

@@ -234,12 +234,7 @@ class SandboxMemory:
                 stored.append(res.stored_idx.astype(np.int64))
                 raw.append(res.raw_idx.astype(np.int64))
                 if st is not None:
-                    for k, v in res.pages.items():
-                        st.pages_by_kind[k] = st.pages_by_kind.get(k, 0) + v
-                    for k, v in res.bytes.items():
-                        st.bytes_by_kind[k] = st.bytes_by_kind.get(k, 0) + v
-                    for k, v in res.tries.items():
-                        st.tries[k] = st.tries.get(k, 0) + v
+                    st.add_encoded(res.pages, res.bytes, res.tries)
         except BaseException:
             if stored:
                 self.store.discard(self.name, np.concatenate(stored))
@@ -359,29 +354,19 @@ class SandboxMemory:
     def _settle(self, free: np.ndarray, *, mapped: bool, dropped: np.ndarray | None = None,
                 commit: bool = True) -> int:
         """After the drop: map what is not stored (copy-on-write; ``dropped``: the pages just
-        discarded), then release the free pages' entries; ``commit``: and commit. Returns the
-        pages mapped.
-
-        A drop that went through needs no commit of its own: the entries it released are
-        those of free pages, mapped now, and of a durable generation that still names them
-        nothing is served wrongly (a mapped page never faults; one written again is a copy,
-        encoded again or dropped only if its hash still equals the entry's). The next commit
-        (the next compression or trim, a free) takes them out and reclaims their space. That
-        saves a second write of the store's table per compression (a fifth of a coding-agent
-        compression's CPU went to the two). A cancel's discards are committed at once."""
+        discarded), then release the free pages' entries; ``commit``: and commit (a drop that
+        went through leaves that to the next commit: docs/memory.md, "Crash consistency").
+        Returns the pages mapped."""
         n = self._map_unstored(dropped) if mapped else 0
         if len(free):
-            # Mapped now (or, cancelled, still resident): their entries can go. They were
-            # kept durable through the DISCARD so that a manager killed before the mapping
-            # serves them from the store, not from the template's page cache.
+            # Mapped now (or, cancelled, still resident): their entries can go. Kept durable through
+            # the DISCARD: a manager killed before the mapping serves them from the store.
             self.store.discard(self.name, free)
-        if not commit:
-            return n
-        try:
-            # If it fails the durable generation still names pages that are resident: never served.
-            self.store.flush()
-        except (StoreError, OSError) as exc:
-            log.warning("%s: store flush after the drop failed: %s", self.name, exc)
+        if commit:
+            try:
+                self.store.flush()
+            except (StoreError, OSError) as exc:    # the durable generation names resident pages: never served
+                log.warning("%s: store flush after the drop failed: %s", self.name, exc)
         return n
 
     def trim_due(self, every_s: float, backoff: bool = True) -> bool:

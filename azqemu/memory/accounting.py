@@ -118,11 +118,12 @@ def raw_page_bytes(n_raw: int) -> int:
     return n_raw * PAGE_SIZE
 
 
-def sandbox_books(table: BlobTable, sandboxes: Iterable[StoredSandbox]) -> dict[str, OwnedBytes]:
+def sandbox_books(table: BlobTable, sandboxes: Iterable[StoredSandbox],
+                  costs: dict[str, np.ndarray] | None = None) -> dict[str, OwnedBytes]:
     """``OwnedBytes`` of each sandbox by name, the blob costs of each sharing domain computed
     once: a sampling of 16 sandboxes otherwise walks the whole blob table 16 times (a fifth of
-    the manager's CPU in a density run)."""
-    costs: dict[str, np.ndarray] = {}
+    the manager's CPU in a density run). ``costs``: ``blob_costs`` by domain name, if known."""
+    costs = {} if costs is None else costs
     out = {}
     for sb in sandboxes:
         cost = costs.get(sb.domain.name)
@@ -134,11 +135,24 @@ def sandbox_books(table: BlobTable, sandboxes: Iterable[StoredSandbox]) -> dict[
     return out
 
 
-def domain_books(table: BlobTable, d: DomainState, sandboxes: list[StoredSandbox]) -> DomainBytes:
-    """``DomainBytes`` of sharing domain ``d`` whose sandboxes are ``sandboxes``."""
-    cost = blob_costs(table, d)
+def domain_books(table: BlobTable, d: DomainState, sandboxes: list[StoredSandbox],
+                 cost: np.ndarray | None = None) -> DomainBytes:
+    """``DomainBytes`` of sharing domain ``d`` whose sandboxes are ``sandboxes`` (``cost``:
+    its ``blob_costs``, if known)."""
+    cost = blob_costs(table, d) if cost is None else cost
     rows = table.rows[:table.n]
     mine = (rows["refcount"] > 0) & (rows["domain"] == d.did)
     return DomainBytes(d.name, len(sandboxes), int(round(cost.sum())), int(rows["length"][mine].sum()),
                        sum(s.index.nbytes + s.raw.nbytes for s in sandboxes),
                        sum(raw_page_bytes(len(s.raw)) for s in sandboxes))
+
+
+def store_books(table: BlobTable, sandboxes: dict[str, StoredSandbox],
+                names: Iterable[str]) -> tuple[int, dict[str, OwnedBytes]]:
+    """Every domain's ``DomainBytes.total_bytes`` summed, and the ``OwnedBytes`` of the
+    sandboxes ``names`` (those stored): each domain's blob costs computed once for both (a
+    1 Hz sampler asking for the two walked the blob table twice a domain)."""
+    costs = {name: blob_costs(table, d) for name, d in table.domains.items()}
+    total = sum(domain_books(table, d, [sandboxes[s] for s in sorted(d.sandboxes)], costs[name]).total_bytes
+                for name, d in table.domains.items())
+    return total, sandbox_books(table, [sb for n in names if (sb := sandboxes.get(n)) is not None], costs)

@@ -108,7 +108,7 @@ class GenerationSnapshot:
     # merged, and purged of ``dead``, outside the lock (``_binary``).
     sims: list[tuple[SimilarityIndex, list[SimilarityIndex]]]
     dead: np.ndarray                                  # ids freed but still in a similarity index
-    free: np.ndarray                                  # sorted outside the lock into meta["free"]
+    free: np.ndarray                                  # sorted outside the lock into the binary part
     # (record, file name, index, RAW pages) of each sandbox whose index file is written anew.
     indices: list[tuple[StoredSandbox, str, SandboxIndex, np.ndarray]]
     named: set[str]                                   # every index file the generation names
@@ -194,7 +194,9 @@ def _binary(snap: GenerationSnapshot) -> list[bytes | memoryview]:
         dm["sim_entries"] = len(keys)
         binary.append(np.ascontiguousarray(keys, dtype="<u8").data)
         binary.append(np.ascontiguousarray(src, dtype="<u4").data)
-    snap.meta["free"] = np.sort(np.concatenate([snap.free, snap.dead])).tolist()
+    free = np.sort(np.concatenate([snap.free, snap.dead]).astype("<u4"))
+    snap.meta["free_count"] = len(free)
+    binary.append(free.data)
     return binary
 
 
@@ -330,6 +332,14 @@ def _load_checked(root: Path, path: Path, arena_bytes: int,
         d.sim = SimilarityIndex(keys, srcs)
         table.domains[d.name] = d
         table.domain_by_id[d.did] = d
+    if "free_count" in meta:               # version 3; version 2 had them as a JSON list
+        k = int(meta["free_count"])
+        if k < 0 or off + 4 * k > len(body):
+            raise bad(str(path), "free list exceeds the file")
+        free = np.frombuffer(body, dtype="<u4", count=k, offset=off).astype(np.int64)
+        off += 4 * k
+    else:
+        free = np.array(meta.get("free", []), dtype=np.int64)
     if off != len(body):
         raise bad(str(path), "trailing bytes after the indices")
     generation = int(meta.get("generation", 0))
@@ -341,7 +351,6 @@ def _load_checked(root: Path, path: Path, arena_bytes: int,
             if current not in arena_set.arenas:
                 raise bad(str(path), "current arena missing")
             arena_set.current = arena_set.arenas[current]
-        free = np.array(meta.get("free", []), dtype=np.int64)
         table.free = free[(free >= 0) & (free < n_blobs)].astype(np.uint32)
         records, quarantined = _load_sandboxes(root, uuid, table, sandboxes)
         orphans = _release_orphans(table, records) if quarantined else np.zeros(0, np.int64)

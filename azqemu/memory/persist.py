@@ -10,7 +10,8 @@ temporary file.
 
     store.azq    "AZQSTORE" | u32 version | u32 flags | u64 json_len | u64 bin_len | u64 xxh64(body)
                  body = JSON (ids, domains, templates, sandboxes, arenas) + binary (blob table,
-                 similarity indices), the binary parts' lengths given in the JSON
+                 similarity indices, free blob ids as u32), the binary parts' lengths given in
+                 the JSON. Version 3; version 2 (the free ids a JSON list) is still read
     sbx-<h>-g<gen>.azqidx (one per sandbox and generation; ``sbx-<h>.azqidx`` before version 2.1)
                  "AZQINDEX" | u32 version | u32 name_len | 16 bytes store uuid | u64 n_entries |
                  u64 n_raw | u64 map_len | u64 xxh64(body);  body = name (utf-8) | entries (10 B
@@ -36,6 +37,10 @@ from azqemu.memory.kinds import ENTRY_DTYPE
 STORE_MAGIC = b"AZQSTORE"
 INDEX_MAGIC = b"AZQINDEX"
 FORMAT_VERSION = 2      # 2: sandbox index = 2-bit map + 10-byte entries
+# The store file: 3 moved the free blob ids out of the JSON (a list of tens of thousands of ints,
+# dumped at every commit) into the binary part, as u32 ("free_count" in the JSON).
+STORE_FORMAT_VERSION = 3
+STORE_READABLE_VERSIONS = (2, 3)
 _STORE_HEAD = struct.Struct("<8sIIQQQ")
 _INDEX_HEAD = struct.Struct("<8sII16sQQQQ")
 MAX_JSON_BYTES = 64 << 20
@@ -134,7 +139,7 @@ def write_store(path: Path, meta: dict[str, Any], binary: list[bytes | memoryvie
     h = xxhash.xxh64(js)
     for b in binary:
         h.update(b)
-    head = _STORE_HEAD.pack(STORE_MAGIC, FORMAT_VERSION, 0, len(js), bin_len, h.intdigest())
+    head = _STORE_HEAD.pack(STORE_MAGIC, STORE_FORMAT_VERSION, 0, len(js), bin_len, h.intdigest())
     _atomic_write(path, [head, js, *binary])
 
 
@@ -143,8 +148,8 @@ def read_store(path: Path) -> tuple[dict[str, Any], memoryview]:
     if len(data) < _STORE_HEAD.size or data[:8] != STORE_MAGIC:
         raise StoreForeign(str(path), "no page-store magic")
     _, version, _flags, js_len, bin_len, digest = _STORE_HEAD.unpack_from(data)
-    if version != FORMAT_VERSION:
-        raise StoreForeign(str(path), f"format version {version}, this azqemu reads {FORMAT_VERSION}")
+    if version not in STORE_READABLE_VERSIONS:
+        raise StoreForeign(str(path), f"format version {version}, this azqemu reads {STORE_READABLE_VERSIONS}")
     if js_len > MAX_JSON_BYTES or _STORE_HEAD.size + js_len + bin_len != len(data):
         raise StoreCorrupt(str(path), "section sizes do not match the file")
     body = memoryview(data)[_STORE_HEAD.size:]

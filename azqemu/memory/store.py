@@ -32,7 +32,6 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,13 +40,6 @@ import numpy as np
 
 from azqemu.errors import StoreCorrupt, StoreError
 from azqemu.memory import nativestore
-from azqemu.memory.accounting import (
-    DomainBytes,
-    OwnedBytes,
-    StoreBytes,
-    domain_books,
-    sandbox_books,
-)
 from azqemu.memory.arena import DEFAULT_ARENA_BYTES, ArenaSet
 from azqemu.memory.blobtable import BLOB_DTYPE, BlobTable, DomainState, in_domain_indices
 from azqemu.memory.crashpoint import crash_point
@@ -66,6 +58,7 @@ from azqemu.memory.nativestore import NativeView
 from azqemu.memory.pagedecode import locate_page, locate_rows, write_page, write_rows
 from azqemu.memory.persist import STORE_FILE, ensure_reserve
 from azqemu.memory.sbxindex import SandboxIndex
+from azqemu.memory.storebooks import StoreBooks
 from azqemu.memory.storewrite import StoreWriter
 from azqemu.memory.template import TemplateImage
 from azqemu.memory.zstdlib import DEFAULT_LEVEL, PageZstd
@@ -113,7 +106,7 @@ class EncodeResult:
         return self.input_bytes / (1 << 20) / self.cpu_s if self.cpu_s > 0 else float("inf")
 
 
-class PageStore(StoreWriter):
+class PageStore(StoreWriter, StoreBooks):
     """Encoded guest pages of many sandboxes under ``root_dir`` (see the module docstring)."""
 
     def __init__(self, root_dir: str | os.PathLike[str], *, templates: tuple[TemplateImage, ...] = (),
@@ -549,31 +542,7 @@ class PageStore(StoreWriter):
         self._maybe_compact()
         crash_point("after-free-compact")
 
-    # ------------------------------------------------------------------ accounting
-    def owned_bytes(self, sandbox: str) -> OwnedBytes:
-        with self._lock:
-            return sandbox_books(self._table, [self._sandbox(sandbox)])[sandbox]
-
-    def owned_bytes_many(self, sandboxes: Iterable[str]) -> dict[str, OwnedBytes]:
-        """``owned_bytes`` of each of ``sandboxes`` the store holds (others are left out)."""
-        with self._lock:
-            return sandbox_books(self._table, [sb for n in sandboxes if (sb := self._sandboxes.get(n)) is not None])
-
-    def domain_bytes(self, domain: str) -> DomainBytes:
-        with self._lock:
-            d = self._table.domains.get(domain)
-            if d is None:
-                raise StoreError(f"no sharing domain {domain!r} in the page store")
-            return domain_books(self._table, d, [self._sandboxes[s] for s in sorted(d.sandboxes)])
-
-    def total_bytes(self) -> StoreBytes:
-        with self._lock:
-            total = sum(self.domain_bytes(d).total_bytes for d in self._table.domains)
-            return StoreBytes(len(self._table.domains), len(self._sandboxes), total,
-                              self._arenas.used_bytes, self._arenas.live_bytes,
-                              sum(t.data_bytes for t in self._templates.values()),
-                              self._arenas.allocated_bytes)
-
+    # accounting (owned_bytes, domain_bytes, total_bytes, books): StoreBooks (storebooks.py).
     # ------------------------------------------------------------------ persistence
     # flush, generation and compact_arena: StoreWriter (storewrite.py).
     def close(self) -> None:

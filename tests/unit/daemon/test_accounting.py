@@ -49,10 +49,10 @@ def mgr(cfg: Any, host: Any, sandbox_meta_of: Any, template: TemplateMeta,
     m.memory.mem["c0"] = FakeMem(3000)  # type: ignore[assignment]
     # The store: 1500 bytes allocated in its arenas, 1000 of them live: every store byte
     # of a sandbox costs 1.5.
-    store = SimpleNamespace(total_bytes=lambda: SimpleNamespace(
-        arena_allocated_bytes=1500, arena_live_bytes=1000, total_bytes=1000),
-        domain_bytes=lambda d: SimpleNamespace(blob_bytes=700, payload_bytes=600, index_bytes=50),
-        owned_bytes_many=lambda names: {})
+    totals = SimpleNamespace(arena_allocated_bytes=1500, arena_live_bytes=1000, total_bytes=1000)
+    store = SimpleNamespace(total_bytes=lambda: totals, books=lambda names: (totals, {}),
+                            domain_bytes=lambda d: SimpleNamespace(blob_bytes=700, payload_bytes=600, index_bytes=50),
+                            owned_bytes_many=lambda names: {})
     monkeypatch.setattr(m.memory, "opened_store", lambda: store)
     monkeypatch.setattr(m.accounting, "ram_resident_bytes", lambda pid, mode: RESIDENT[pid])
     monkeypatch.setattr(procfs, "find_guest_ram", lambda pid, backing=None: (0, 1 << 30))

@@ -137,3 +137,7 @@ def test_owned_bytes_many_reads_as_one_at_a_time(store, small_set, small_templat
     assert sorted(books) == names
     for n in names:
         assert books[n] == store.owned_bytes(n)
+    # The store's bytes and the sandboxes' books together (one walk of the blob table).
+    total, together = store.books([*names, "gone"])
+    assert total == store.total_bytes() and together == books
+    assert total.total_bytes == sum(store.domain_bytes(d).total_bytes for d in ("d", "e"))

@@ -5,12 +5,14 @@ owners and tombstones. The kill -9 versions are in test_crash_points.py."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
+import xxhash
 
 from azqemu.errors import StoreError
 from azqemu.memory import arena as arena_mod
@@ -318,3 +320,38 @@ def test_injected_store_full_at_commit(store_dir, small_template, monkeypatch) -
     finally:
         monkeypatch.delenv("AZQ_FAIL_AT")
         importlib.reload(crashpoint)
+
+
+def test_free_ids_are_binary_and_a_version_2_store_still_opens(store_dir, small_template, tmp_path) -> None:
+    """The free blob ids travel in the store file's binary part (version 3: a JSON list of them
+    was dumped at every commit); a store written by version 2, the list in the JSON, opens
+    with the same free ids and decodes every page."""
+    with PageStore(store_dir, templates=(small_template,)) as s:
+        s.encode("a", "d", np.arange(40), _pages(1, 40), small_template)
+        s.encode("b", "d", np.arange(40), _pages(2, 40), small_template)
+        s.flush()
+        s.free_sandbox("b")
+        s.flush()                   # "b"'s blob ids are free (or quarantined: free once reopened)
+        free = np.union1d(s._table.free, s._table.quarantine).astype(np.int64)
+        want = s.decode("a", s.stored_pages("a"))
+    assert len(free) > 0
+    meta, body = persist.read_store(store_dir / persist.STORE_FILE)
+    assert "free" not in meta and meta["free_count"] == len(free)
+    tail = np.frombuffer(body, dtype="<u4", count=meta["free_count"], offset=len(body) - 4 * meta["free_count"])
+    np.testing.assert_array_equal(tail, free)
+    with PageStore(store_dir, templates=(small_template,)) as s:
+        np.testing.assert_array_equal(np.sort(s._table.free.astype(np.int64)), free)
+    # The same generation as version 2 wrote it.
+    old = _crash_copy(store_dir, tmp_path / "v2")
+    v2_meta = {k: v for k, v in meta.items() if k != "free_count"}
+    v2_meta["free"] = tail.astype(int).tolist()
+    js = json.dumps(v2_meta, sort_keys=True).encode()
+    rest = bytes(body[:len(body) - 4 * meta["free_count"]])     # the binary part less the free ids
+    h = xxhash.xxh64(js)
+    h.update(rest)
+    (old / persist.STORE_FILE).write_bytes(
+        persist._STORE_HEAD.pack(persist.STORE_MAGIC, 2, 0, len(js), len(rest), h.intdigest()) + js + rest)
+    with PageStore(old, templates=(small_template,)) as s:
+        s.check_consistency()
+        np.testing.assert_array_equal(np.sort(s._table.free.astype(np.int64)), free)
+        np.testing.assert_array_equal(s.decode("a", s.stored_pages("a")), want)
