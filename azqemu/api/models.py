@@ -141,6 +141,8 @@ class ExecResult(Response):
     prefetched_pages: int = 0
     lock_wait_s: float = Field(0.0, description="Waiting for an operation on the sandbox (a compression) to stop")
     faults: int = Field(0, description="Page faults the manager served while the command ran")
+    faults_from_store: int = Field(0, description="Of those, pages the store served (not first touches of the "
+                                   "template or of a hole): what a trim or the resume's hot set missed")
     trim_paused_s: float = Field(0.0, description="Time the vCPUs were paused by trims while the command ran")
 
     @property

@@ -61,6 +61,7 @@ class StepResult:
     lock_wait_s: float = 0.0       # the manager's parts of the call (toolcalls.py)
     trim_paused_s: float = 0.0
     faults: int = 0
+    faults_from_store: int = 0
 
 
 @dataclass
@@ -171,7 +172,7 @@ def _run_plan(c: Client, names: list[str], plan: list[list[Step]],
                                           hashlib.sha256(out).hexdigest()[:16], r.get("resume_s", 0.0),
                                           r.get("prefetched_pages", 0), r.get("error", ""),
                                           r.get("lock_wait_s", 0.0), r.get("trim_paused_s", 0.0),
-                                          r.get("faults", 0)))
+                                          r.get("faults", 0), r.get("faults_from_store", 0)))
             # The orchestrator now waits for its LLM: say so (the strongest phase source).
             c.phase(name, "wait")
             if stop.wait(step.wait_s):

@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-# The exec reply's parts, in seconds except faults (a count).
-PARTS = ("lock_wait_s", "resume_s", "trim_paused_s", "faults")
+# The exec reply's parts, in seconds except faults (counts: all, and those the store served).
+PARTS = ("lock_wait_s", "resume_s", "trim_paused_s", "faults", "faults_from_store")
 
 
 def by_kind(steps: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -45,6 +45,7 @@ def breakdown(steps: list[dict[str, Any]]) -> dict[str, float]:
     for part in PARTS:
         out[f"{part}_sum"] = float(sum(float(s.get(part, 0.0)) for s in steps))
     out["faults_per_call"] = out["faults_sum"] / n if n else float("nan")
+    out["store_faults_per_call"] = out["faults_from_store_sum"] / n if n else float("nan")
     return out
 
 
@@ -72,6 +73,7 @@ def markdown_note(result: dict[str, Any], base: str = "none-cow") -> str:
         lines.append(f"{name}: {int(b['calls'])} tool calls, {b['latency_s_sum']:.1f} s in all, of which "
                      f"lock wait {b['lock_wait_s_sum']:.1f} s, resume {b['resume_s_sum']:.1f} s, "
                      f"trim pauses {b['trim_paused_s_sum']:.1f} s; {b['faults_per_call']:.0f} faults per call"
+                     + (f" ({b['store_faults_per_call']:.0f} from the store)" if b.get("faults_sum") else "")
                      + (f"; median per kind over {base}'s: {per_kind}" if per_kind else ""))
     if not lines:
         return ""

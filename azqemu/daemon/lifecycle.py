@@ -288,10 +288,11 @@ class Lifecycle:
             agent = GuestAgent(name, dom.agent_command)
             stdin = base64.b64decode(stdin_b64) if stdin_b64 else None
             mem = self.memory.get(name)
-            faults0, trim0 = (mem.faults(), mem.trim_s_total) if mem is not None else (0, 0.0)
+            (faults0, store0), trim0 = (mem.faults(), mem.trim_s_total) if mem is not None else ((0, 0), 0.0)
             res = agent.exec(argv, timeout_s=float(timeout_s), stdin=stdin, on_output=on_output,  # streamed if given
                              exit_wait=lambda pid, t: self.reg.exits.wait_exit(name, pid, t))
-            faults, trim_s = (mem.faults() - faults0, mem.trim_s_total - trim0) if mem is not None else (0, 0.0)
+            (faults, store_faults), trim_s = (mem.faults(), mem.trim_s_total) if mem is not None else ((0, 0), 0.0)
+            faults, store_faults, trim_s = faults - faults0, store_faults - store0, trim_s - trim0
         finally:
             slot.exec_ended()
             if st is not None:
@@ -302,7 +303,8 @@ class Lifecycle:
         return {"exit_code": res.exit_code, "stdout_b64": base64.b64encode(res.stdout).decode(),
                 "stderr_b64": base64.b64encode(res.stderr).decode(), "duration_s": time.monotonic() - t0,
                 "resume_s": resume.get("resume_s", 0.0), "prefetched_pages": resume.get("prefetched_pages", 0),
-                "lock_wait_s": lock_wait_s, "faults": faults, "trim_paused_s": trim_s}
+                "lock_wait_s": lock_wait_s, "faults": faults, "faults_from_store": store_faults,
+                "trim_paused_s": trim_s}
 
     # -- pause, compress, resume ---------------------------------------------------------
     def pause(self, name: str) -> None:

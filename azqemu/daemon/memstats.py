@@ -84,6 +84,10 @@ def memory_stats(mem: Any, *, reset: bool = False) -> dict[str, object]:
     counters = asdict(h)
     for k in ("service_us_median", "service_us_p99", "service_samples"):
         counters.pop(k)
+    # Faults the C thread answered, by where the page came from: a first touch of the
+    # template (or of a hole) is no sign of a trim or a hot set that missed; a store page is.
+    native = mem.handler.native_counters()
+    counters["native_from"] = {k: native.get(f"from_{k}", 0) for k in ("template", "zero", "store")}
     stored = (mem.store.owned_bytes(mem.name).as_dict() if mem.name in mem.store.sandboxes() else {})
     return {"name": mem.name, "compressed": mem.compressed, "registered": mem.registered,
             "copy_on_write": mem.cow, "store": stored,

@@ -179,10 +179,9 @@ class SandboxMemory:
         self.restart_handler()
 
     def restart_handler(self) -> bool:
-        """Start the fault handler if its thread is not running (first start, or after it
-        died: the supervisor's call). Under a lock of its own, not the memory lock a
-        compression holds for seconds, so that the two never start it twice. Returns whether
-        it started it."""
+        """Start the fault handler if its thread is not running (first start, or after it died:
+        the supervisor's call). Under a lock of its own, not the memory lock a compression holds
+        for seconds, so that the two never start it twice. Returns whether it started it."""
         with self._handler_lock:
             if self.handler.running:
                 return False
@@ -593,8 +592,9 @@ class SandboxMemory:
         ob = (books if books is not None else self.store.owned_bytes_many([self.name])).get(self.name)
         return 0 if ob is None else int(ob.private_bytes + ob.shared_bytes + ob.index_bytes)
 
-    def faults(self) -> int:
-        return self.handler.stats().faults
+    def faults(self) -> tuple[int, int]:
+        """Faults served, and of those the C thread's from the store (a trim or the hot set missed)."""
+        return self.handler.stats().faults, self.handler.native_counters().get("from_store", 0)
 
     def memstats(self, *, reset: bool = False) -> dict[str, object]:  # memstats.memory_stats
         return memory_stats(self, reset=reset)

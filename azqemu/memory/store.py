@@ -40,6 +40,7 @@ import numpy as np
 
 from azqemu.errors import StoreCorrupt, StoreError
 from azqemu.memory import nativestore
+from azqemu.memory.accounting import OwnedBytes, sandbox_books
 from azqemu.memory.arena import DEFAULT_ARENA_BYTES, ArenaSet
 from azqemu.memory.blobtable import BLOB_DTYPE, BlobTable, DomainState, in_domain_indices
 from azqemu.memory.crashpoint import crash_point
@@ -542,7 +543,12 @@ class PageStore(StoreWriter, StoreBooks):
         self._maybe_compact()
         crash_point("after-free-compact")
 
-    # accounting (owned_bytes, domain_bytes, total_bytes, books): StoreBooks (storebooks.py).
+    # ------------------------------------------------------------------ accounting
+    # owned_bytes_many, domain_bytes, total_bytes, books: StoreBooks (storebooks.py).
+    def owned_bytes(self, sandbox: str) -> OwnedBytes:
+        with self._lock:
+            return sandbox_books(self._table, [self._sandbox(sandbox)])[sandbox]
+
     # ------------------------------------------------------------------ persistence
     # flush, generation and compact_arena: StoreWriter (storewrite.py).
     def close(self) -> None:

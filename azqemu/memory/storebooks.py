@@ -30,13 +30,6 @@ class StoreBooks:
     _sandboxes: dict[str, StoredSandbox]
     _templates: dict[str, TemplateImage]
 
-    def _sandbox(self, name: str) -> StoredSandbox:
-        raise NotImplementedError        # PageStore's
-
-    def owned_bytes(self, sandbox: str) -> OwnedBytes:
-        with self._lock:
-            return sandbox_books(self._table, [self._sandbox(sandbox)])[sandbox]
-
     def owned_bytes_many(self, sandboxes: Iterable[str]) -> dict[str, OwnedBytes]:
         """``owned_bytes`` of each of ``sandboxes`` the store holds (others are left out)."""
         with self._lock:

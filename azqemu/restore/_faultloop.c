@@ -40,7 +40,7 @@
 #define PENDING_MAX 256
 #define RETRY_MS 1
 
-int azq_faultloop_abi(void) { return 2; }
+int azq_faultloop_abi(void) { return 3; }
 
 /* The store's lookup (memory/_storeview.c azq_view_decode_inplace): 0 when out holds the
  * verified page. */
@@ -50,7 +50,11 @@ static const uint8_t zero_page[PAGE] __attribute__((aligned(PAGE)));
 /* ---------------------------------------------------------------- the fault thread */
 enum { A_FORWARD = 0, A_CONTINUE = 1, A_ZEROPAGE = 2, A_STORE = 3, A_ZERO_COPY = 4, A_FILE = 5 };
 enum { EV_FAULT = 1, EV_REMOVE = 2 };
-enum { C_FAULTS, C_SERVED, C_EEXIST, C_RETRIES, C_STALE, C_OTHER, C_FORWARDED, C_NATIVE, C_DROPPED, C_N };
+/* C_FROM_*: faults answered here, by where the page came from (a first touch of the template
+ * or a hole, or a page the store held): what a sandbox's faults cost and whether a trim or the
+ * hot set missed. */
+enum { C_FAULTS, C_SERVED, C_EEXIST, C_RETRIES, C_STALE, C_OTHER, C_FORWARDED, C_NATIVE, C_DROPPED,
+       C_FROM_TEMPLATE, C_FROM_ZERO, C_FROM_STORE, C_N };
 
 typedef struct {
     uint64_t lo, hi;
@@ -340,6 +344,7 @@ static void serve(azq_fp *fp, uint64_t address, int64_t t0)
     if (!ok)
         return;
     count(fp, C_NATIVE);
+    count(fp, act == A_STORE ? C_FROM_STORE : act == A_CONTINUE || act == A_FILE ? C_FROM_TEMPLATE : C_FROM_ZERO);
     uint8_t *hot = __atomic_load_n(&b->hot, __ATOMIC_ACQUIRE);
     if (hot) {
         uint64_t i = (page - b->lo) >> b->shift;

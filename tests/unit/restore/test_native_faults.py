@@ -103,6 +103,7 @@ def test_store_pages_are_served_by_the_c_thread_alone(world) -> None:
         c = h.native_counters()
         s = h.stats()
     assert c["forwarded"] == 0, c
+    assert c["from_store"] == c["native"] and c["from_template"] == c["from_zero"] == 0, c
     assert s.native_served == s.faults and s.served == PAGES and s.errors == 0, s
     assert s.service_samples == s.faults
 
@@ -194,3 +195,4 @@ def test_a_lazy_clones_template_pages_are_read_by_the_c_thread(world, tmp_path) 
             h.close()
     assert got == {i: pattern(i, gen=3) if i < PAGES - 8 else bytes(PS) for i in range(PAGES)}
     assert c["forwarded"] == 0 and c["native"] >= PAGES, c
+    assert c["from_template"] == c["native"] and c["from_store"] == c["from_zero"] == 0, c
