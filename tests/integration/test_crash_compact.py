@@ -74,7 +74,7 @@ def _killed(daemon: dict) -> None:
 # whole pages that the commit punched, and no arena was compacted (their compaction points
 # are tried on the simulated guest: tests/unit/memory/test_crash_points.py).
 @pytest.mark.parametrize(("ram_mode", "point"), [
-    ("cow", "after-compact-copy"), ("cow", "after-compact-switch"), ("cow", "after-flush-snapshot@2")])
+    ("cow", "after-compact-copy"), ("cow", "after-compact-switch"), ("cow", "after-flush-snapshot")])
 def test_manager_killed_while_the_store_compacts_loses_no_page(template: str, daemon: dict, ram_mode: str,
                                                                point: str) -> None:
     c = Client()
