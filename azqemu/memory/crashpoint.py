@@ -51,8 +51,6 @@ from collections.abc import Callable
 POINTS = ("after-encode", "after-flush-snapshot", "between-generation-files", "after-commit", "after-reclaim",
           "after-flush", "after-discard-batch", "after-free-compact", "after-compact-copy", "after-compact-switch")
 LIFECYCLE_POINTS = ("after-pause", "before-prefetch", "after-prefetch", "after-vcpu-resume", "after-reattach")
-# Points only a real copy-on-write guest reaches (tests/integration/test_crash_compress.py).
-COW_POINTS = ("after-drop",)
 
 
 def _parse(spec: str | None) -> tuple[str | None, int]:
