@@ -251,22 +251,19 @@ class Client:
         return self._request("GET", f"/sandboxes/{_name(name)}/files", params={"path": path}, raw=True)
 
     def exec(self, name: str, argv: list[str], timeout_s: float = m.DEFAULT_EXEC_TIMEOUT_S,
-             stdin: bytes | None = None) -> m.ExecResult:
-        """Run ``argv`` in the guest; the command's own failure is ``exit_code``, azqemu's raises."""
-        body: dict[str, Any] = {"argv": list(argv), "timeout_s": timeout_s}
-        if stdin is not None:
-            body["stdin_b64"] = base64.b64encode(stdin).decode()
+             stdin: bytes | None = None, kind: str | None = None) -> m.ExecResult:
+        """Run ``argv`` in the guest; the command's own failure is ``exit_code``, azqemu's raises.
+        ``kind``: the tool's name (ExecRequest.kind)."""
+        body = _exec_body(argv, timeout_s, stdin, kind)
         return m.ExecResult.model_validate(self._request("POST", f"/sandboxes/{_name(name)}/exec", body=body))
 
     def exec_stream(self, name: str, argv: list[str], timeout_s: float = m.DEFAULT_EXEC_TIMEOUT_S,
-                    stdin: bytes | None = None) -> Iterator[dict[str, Any]]:
+                    stdin: bytes | None = None, kind: str | None = None) -> Iterator[dict[str, Any]]:
         """``exec`` as events, as they happen: started, stdout/stderr chunks (``data`` as bytes)
         while the command writes them, running (liveness, every 5 s without output), and last
         exit (exit_code, duration_s, ...). An azqemu failure is raised (past 16 MiB of output:
         PayloadTooLarge, the command killed); so is a stream that ends without its exit."""
-        body: dict[str, Any] = {"argv": list(argv), "timeout_s": timeout_s}
-        if stdin is not None:
-            body["stdin_b64"] = base64.b64encode(stdin).decode()
+        body = _exec_body(argv, timeout_s, stdin, kind)
         try:
             with self._http.stream("POST", f"/sandboxes/{_name(name)}/exec/stream", json=body,
                                    timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S)) as r:
@@ -318,6 +315,15 @@ class Client:
 
 def _name(name: str, what: str = "sandbox name") -> str:
     return quote(validate_name(name, what), safe="")
+
+
+def _exec_body(argv: list[str], timeout_s: float, stdin: bytes | None, kind: str | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"argv": list(argv), "timeout_s": timeout_s}
+    if stdin is not None:
+        body["stdin_b64"] = base64.b64encode(stdin).decode()
+    if kind is not None:
+        body["kind"] = kind
+    return body
 
 
 def _params(params: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -62,6 +62,8 @@ class ExecRequest(Request):
     argv: list[str] = Field(description="The command and its arguments (no shell unless you run one)")
     timeout_s: float = DEFAULT_EXEC_TIMEOUT_S
     stdin_b64: str | None = Field(None, description="Standard input, base64")
+    kind: str | None = Field(None, description="The tool's name: a resume brings back the pages the last call of "
+                             "this kind used (default: calls are told apart by their command's words)")
 
 
 class PhaseRequest(Request):

@@ -168,12 +168,15 @@ def exec_exit_code(exc: AzqemuError) -> int:
 @click.argument("name")
 @click.option("--timeout", "timeout_s", default=300.0, show_default=True, type=float, help="Seconds.")
 @click.option("-i", "--stdin", "with_stdin", is_flag=True, help="Send azq's standard input to the command.")
+@click.option("--kind", default=None, help="The tool's name: a resume brings back the pages the last call "
+                                           "of this kind used (default: told from the command's words).")
 @click.option("--stream/--no-stream", default=True, show_default=True,
               help="Print the output as the command writes it; --no-stream: all of it at its exit "
                    "(--json is always all at the exit).")
 @json_option
 @click.argument("argv", nargs=-1, type=click.UNPROCESSED, required=True)
-def exec_(name: str, timeout_s: float, with_stdin: bool, stream: bool, as_json: bool, argv: tuple[str, ...]) -> None:
+def exec_(name: str, timeout_s: float, with_stdin: bool, kind: str | None, stream: bool, as_json: bool,
+          argv: tuple[str, ...]) -> None:
     """Run a command in sandbox NAME through the guest agent: azq exec NAME -- CMD ARGS...
 
     Its stdout and stderr appear as it writes them (at most 16 MiB in all). Exits with the
@@ -182,8 +185,8 @@ def exec_(name: str, timeout_s: float, with_stdin: bool, stream: bool, as_json: 
     stdin = sys.stdin.buffer.read() if with_stdin else None
     try:
         if stream and not as_json:
-            sys.exit(_exec_streamed(name, list(argv), timeout_s, stdin))
-        res = Client().exec(name, list(argv), timeout_s=timeout_s, stdin=stdin)
+            sys.exit(_exec_streamed(name, list(argv), timeout_s, stdin, kind))
+        res = Client().exec(name, list(argv), timeout_s=timeout_s, stdin=stdin, kind=kind)
     except AzqemuError as exc:
         exc.exit_code = exec_exit_code(exc)
         raise
@@ -200,12 +203,12 @@ def exec_(name: str, timeout_s: float, with_stdin: bool, stream: bool, as_json: 
     sys.exit(res.exit_code)
 
 
-def _exec_streamed(name: str, argv: list[str], timeout_s: float, stdin: bytes | None) -> int:
+def _exec_streamed(name: str, argv: list[str], timeout_s: float, stdin: bytes | None, kind: str | None) -> int:
     """Write the command's output as it comes; its exit code. A reader of our stdout that
     leaves (``| head``) ends the stream, which stops the command in the guest."""
     outs = {"stdout": sys.stdout.buffer, "stderr": sys.stderr.buffer}
     with Client() as c:
-        events = c.exec_stream(name, argv, timeout_s=timeout_s, stdin=stdin)
+        events = c.exec_stream(name, argv, timeout_s=timeout_s, stdin=stdin, kind=kind)
         try:
             for ev in events:
                 out = outs.get(ev["event"])

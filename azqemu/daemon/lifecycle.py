@@ -262,7 +262,8 @@ class Lifecycle:
 
     # -- exec ----------------------------------------------------------------------------
     def exec(self, name: str, argv: list[str], timeout_s: float = EXEC_DEFAULT_TIMEOUT_S,
-             stdin_b64: str | None = None, on_output: OutputSink | None = None) -> dict[str, Any]:
+             stdin_b64: str | None = None, on_output: OutputSink | None = None,
+             kind: str | None = None) -> dict[str, Any]:
         if not argv:
             raise ConfigError("no command given (azq exec SANDBOX -- CMD ...)")
         t0 = time.monotonic()
@@ -272,6 +273,8 @@ class Lifecycle:
         if st is not None:
             st.tracker.exec_started()  # from now on the scheduler leaves this sandbox alone
         slot.exec_started()            # and a compress asked for now is refused
+        stdin = base64.b64decode(stdin_b64) if stdin_b64 else None
+        call = self.memory.note_call(name, argv, stdin, kind)   # what a resume brings back
         try:
             self.memory.cancel(name)  # a compression in progress stops at its next step
             resume: dict[str, Any] = {}
@@ -281,12 +284,11 @@ class Lifecycle:
                 lock_wait_s = time.monotonic() - t0
                 state = slot.require("exec", (State.RUNNING, State.COMPRESSED))
                 if state is State.COMPRESSED and not slot.user_paused:
-                    resume = self.resume_locked(name, dom, prefetch=st.policy.prefetch if st else True)
+                    resume = self.resume_locked(name, dom, prefetch=st.policy.prefetch if st else True, call=call)
             dstate = dom.state()
             if dstate != "running":
                 raise DomainStateError(name, dstate, "running")
             agent = GuestAgent(name, dom.agent_command)
-            stdin = base64.b64decode(stdin_b64) if stdin_b64 else None
             mem = self.memory.get(name)
             (faults0, store0), trim0 = (mem.faults(), mem.trim_s_total) if mem is not None else ((0, 0), 0.0)
             res = agent.exec(argv, timeout_s=float(timeout_s), stdin=stdin, on_output=on_output,  # streamed if given
@@ -325,9 +327,10 @@ class Lifecycle:
             slot.user_paused = False
             return self.resume_locked(name, self.reg.domain(name), prefetch=prefetch)
 
-    def resume_locked(self, name: str, dom: Domain, *, prefetch: bool = True) -> dict[str, Any]:
+    def resume_locked(self, name: str, dom: Domain, *, prefetch: bool = True, call: int | None = None) -> dict[str, Any]:
         """The caller holds the sandbox's lock. A running sandbox's vCPUs are continued (the
-        user's pause); a compressed one goes through ``resuming``."""
+        user's pause); a compressed one goes through ``resuming`` (``call``: the kind of tool
+        call that resumes it, MemoryService.note_call)."""
         t0 = time.perf_counter()
         out: dict[str, Any] = {"prefetched_pages": 0, "prefetch_s": 0.0}
         slot = self.reg.slot(name)
@@ -340,7 +343,7 @@ class Lifecycle:
         slot.to(State.RESUMING)
         crash_point("before-prefetch")
         try:
-            out.update(self.memory.prefetch(name, hot=prefetch))
+            out.update(self.memory.prefetch(name, hot=prefetch, call=call))
             crash_point("after-prefetch")
             if dom.state() == "paused":
                 dom.resume()

@@ -166,8 +166,10 @@ class Manager:
                                           policy=policy, grace_s=grace_s)
 
     def op_exec(self, name: str, argv: list[str], timeout_s: float = EXEC_DEFAULT_TIMEOUT_S,
-                stdin_b64: str | None = None, on_output: OutputSink | None = None) -> dict[str, Any]:
-        return self.lifecycle.exec(name, argv, timeout_s=timeout_s, stdin_b64=stdin_b64, on_output=on_output)
+                stdin_b64: str | None = None, on_output: OutputSink | None = None,
+                kind: str | None = None) -> dict[str, Any]:
+        return self.lifecycle.exec(name, argv, timeout_s=timeout_s, stdin_b64=stdin_b64, on_output=on_output,
+                                   kind=kind)
 
     def op_phase(self, name: str, phase: str) -> dict[str, Any]:
         out = self.schedsvc.phase(name, phase)

@@ -349,14 +349,21 @@ class MemoryService:
                 "budget_stopped": st.budget_stopped, "left_pages": st.left_pages, "stored_bytes": stored_bytes,
                 "resident_bytes": mem.resident_bytes(), "tries": st.tries, "cpu_s": cpu_s}
 
-    def prefetch(self, name: str, *, hot: bool) -> dict[str, Any]:
-        """A compressed sandbox's hot set back (before its vCPUs continue); {} otherwise."""
+    def note_call(self, name: str, argv: list[str], stdin: bytes | None, kind: str | None) -> int | None:
+        """A tool call starts in this sandbox: its kind (daemon/callkinds.py), noted for the
+        phase; None when the manager does not serve the sandbox's memory."""
+        mem = self.mem.get(name)
+        return None if mem is None else mem.calls.note(argv, stdin, kind)
+
+    def prefetch(self, name: str, *, hot: bool, call: int | None = None) -> dict[str, Any]:
+        """A compressed sandbox's hot set back (before its vCPUs continue), for a tool call of
+        kind ``call`` if one resumes it; {} when it is not compressed."""
         mem = self.mem.get(name)
         if mem is None or not mem.compressed:
             return {}
         t0 = time.perf_counter()
         try:
-            st = mem.prefetch(hot=hot)
+            st = mem.prefetch(hot=hot, call=call)
         except BaseException as exc:
             self.publish(name, "resume", "failed", reason=f"{type(exc).__name__}: {exc}",
                          duration_s=round(time.perf_counter() - t0, 6))

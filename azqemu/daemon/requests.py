@@ -116,6 +116,7 @@ CHECKS: dict[str, Callable[[str, Any], None]] = {
     "argv": _argv,
     "warmup": _strings,
     "stdin_b64": _b64,
+    "kind": _name("call kind"),
 }
 
 

@@ -43,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
+from azqemu.daemon.callkinds import CallKinds
 from azqemu.daemon.coldrule import ColdRule, CopyHistory
 from azqemu.daemon.cpubudget import CpuBudget
 from azqemu.daemon.memstats import CompressCancelled, CompressStats, ResumeStats, TrimStats, memory_stats
@@ -140,13 +141,16 @@ class SandboxMemory:
                 # A restarted manager: pages stored before it died come from the store again.
                 self.sources.assign(store.stored_pages(name), self._store_src)
         # No bound method: a cycle would keep a destroyed sandbox's maps until a full gc.
-        self.handler = FaultHandler(self.handle, self._sources_for_blocks(), on_error=partial(_on_error, name),
+        # Only the main RAM block is registered; other blocks (if any) get zero sources.
+        blocks = [self.sources if b is self.block else ZeroSource(b.page_size) for b in self.handle.blocks]
+        self.handler = FaultHandler(self.handle, blocks, on_error=partial(_on_error, name),
                                     name=f"azq-faults-{name}")
         self.registered = False
         self._mapped_all = False      # a compression mapped every untouched page (_map_unstored)
         self.compressed = False
         self.hot_idx = np.empty(0, dtype=np.int64)
         self._prefetched_idx = np.empty(0, dtype=np.int64)
+        self.calls = CallKinds(pages)      # the hot set per kind of tool call
         # Written copies seen by the last trim and the hash each had then (sorted by page):
         # a copy whose hash has not moved since is cold for writing (Trim's second part).
         # Pages the last trim found incompressible (RAW, left resident) are not encoded again
@@ -160,10 +164,6 @@ class SandboxMemory:
         self.compress_s_total = 0.0
         self.restore_s_total = 0.0
         self.trim_s_total = 0.0
-
-    def _sources_for_blocks(self) -> list[PageSource]:
-        # Only the main RAM block is registered; other blocks (if any) get zero sources.
-        return [self.sources if b is self.block else ZeroSource(b.page_size) for b in self.handle.blocks]
 
     # -- life cycle ---------------------------------------------------------------------
     def attach(self) -> None:
@@ -282,7 +282,7 @@ class SandboxMemory:
             def changed() -> Iterator[tuple[np.ndarray, np.ndarray]]:
                 for part, pages in budget.chunks(self.scan.chunks(idx, scratch), taken):
                     if check_unchanged:
-                        same = self._equal_to_entries(part, pages)
+                        same = self.store.entries_match(self.name, part, *page_hashes(pages))
                         kept.append(part[same])
                         part, pages = without_rows(part, pages, same, scratch)
                     yield part, pages
@@ -297,6 +297,10 @@ class SandboxMemory:
             st.encode_s = time.perf_counter() - t1
             st.stored_pages, st.raw_pages = len(enc_stored), len(enc_raw)
             self.hot_idx = hot_idx
+            # Kept for the kinds of call the phase ran; what it created (copies neither
+            # prefetched nor faulted back from the store) comes back for any kind.
+            self.calls.end_phase(hot_idx, np.setdiff1d(idx, np.union1d(self._faulted_from_store(),
+                                                                       self._prefetched_idx)))
             self._prefetched_idx = np.empty(0, dtype=np.int64)
             self.handler.reset_hot()
             st.hot_pages = len(self.hot_idx)
@@ -495,13 +499,8 @@ class SandboxMemory:
         """Manager memory held for this sandbox between operations: source map, the fault
         handler's maps and ring, hot set, trim history (a compression's buffers are freed)."""
         return int(len(self.sources.kinds) + self.handler.state_bytes() + self.hot_idx.nbytes
-                   + self._prefetched_idx.nbytes + self._history.nbytes + self.cold.state_bytes())
-
-    def _equal_to_entries(self, idx: np.ndarray, pages: np.ndarray) -> np.ndarray:
-        """For each copy, whether it still equals its stored entry (XXH3-128 of the page
-        against the hash its blob recorded; PageStore.entries_match)."""
-        key, check = page_hashes(pages)
-        return self.store.entries_match(self.name, idx, key, check)
+                   + self._prefetched_idx.nbytes + self._history.nbytes + self.cold.state_bytes()
+                   + self.calls.nbytes)
 
     def _check_cancel(self, done: int = 0) -> None:
         if self._cancel.is_set() or self._ending.is_set() or (self._stop_test is not None and self._stop_test()):
@@ -564,14 +563,15 @@ class SandboxMemory:
                 + map_from_file(self.handle.uffd, self.block, zero, zero=True))
 
     # -- resume ---------------------------------------------------------------------------
-    def prefetch(self, *, hot: bool = True) -> ResumeStats:
-        """Put the hot set back (before the vCPUs continue)."""
+    def prefetch(self, *, hot: bool = True, call: int | None = None) -> ResumeStats:
+        """Put back the pages the last call of kind ``call`` used (calls.note), else the last phase's."""
         st = ResumeStats()
         t0 = time.perf_counter()
         with self._lock:
             if hot and self.compressed and len(self.hot_idx):
                 stored = self.store.stored_pages(self.name)
-                want = np.intersect1d(self.hot_idx, stored)
+                predicted = self.calls.predict(call)
+                want = np.intersect1d(self.hot_idx if predicted is None else predicted, stored)
                 if len(want):
                     with Prefetcher(self.handle.uffd) as pf:
                         r = pf.prefetch(self.block, want, self.sources)

@@ -26,7 +26,8 @@ def test_names_outside_the_alphabet_are_refused_for_every_name_argument(bad: obj
 def test_good_names_and_requests_pass() -> None:
     check_args("clone", {"template": "base", "count": 16, "name_prefix": "task-42.a_", "sharing_domain": "t1",
                          "policy": "agentzip", "grace_s": 1.0, "ram_mode": None})
-    check_args("exec", {"name": "base-0", "argv": ["/bin/sh", "-c", "echo é"], "timeout_s": 300})
+    check_args("exec", {"name": "base-0", "argv": ["/bin/sh", "-c", "echo é"], "timeout_s": 300,
+                        "kind": "run_tests"})
     check_args("set_policy", {"names": ["a", "b"], "policy": "linux", "grace_s": 0,
                               "pressure_budget_bytes": 1 << 30})
     check_args("template_create", {"name": "t", "mem_mib": 512, "vcpus": 1, "warmup": ["true"]})
@@ -50,6 +51,7 @@ def test_good_names_and_requests_pass() -> None:
     ({"name_prefix": "a/"}, "invalid name prefix"),
     ({"name_prefix": "x" * 60}, "invalid name prefix"),
     ({"mem_mib": 1.5}, "mem_mib: expected an integer"),
+    ({"kind": "bash/run"}, "invalid call kind 'bash/run'"),
 ])
 def test_bad_values_are_one_clear_line(args: dict, text: str) -> None:
     with pytest.raises(ConfigError) as exc:

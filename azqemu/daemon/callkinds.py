@@ -1,0 +1,153 @@
+"""Tool calls told apart by kind, and the pages the last call of each kind used.
+
+A resume puts back the pages the coming tool call will touch. One hot set for every call (the
+last phase's working set) predicts badly where calls alternate between shapes: in a
+code-interpreter sandbox a long `load` call leaves the heap alone, its trims drop the heap's
+prefetched pages, and the heap walk that comes next faults them back one by one (session 17,
+long-lived-heap: bursts of 9,000-14,000 faults from the store). So each kind of call keeps the
+pages its last phase used, and a resume for a call of a known kind brings back those, plus
+what the last phase created (a new table is read by the next call, whatever its kind).
+
+The kind is the orchestrator's name for the tool (``azq exec --kind``, the API's ``kind``)
+or, without one, the command's words: calls whose sets of words (letters and underscores,
+two or more; numbers, quoting and punctuation ignored, since a call's arguments change and
+its program does not; nor does the ``sh -c`` around a script) overlap by at least
+``SAME_KIND_JACCARD`` are one kind. On the built-in workloads' plans the repeats of one
+command overlap by 0.64-1.0 (most by 0.9 and above) and the commands of different steps by
+0.62 at most (coding-agent's read and edit, both sed on one file: those two are one kind,
+as long-lived-heap's small inspect and summary reads can be). A command nothing resembles is a new
+kind; until one of its phases ends, its resume brings back the last phase's set, as before.
+Predictions only: a page left out faults in, one too many is dropped by the next trim.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+
+import numpy as np
+import xxhash
+
+SAME_KIND_JACCARD = 0.6
+MAX_KINDS = 8                 # per sandbox, least recently used first out: 1 bit per page each
+MAX_WORDS = 512               # words kept per kind (a command's first ones)
+STDIN_WORDS_BYTES = 4096      # code sent on stdin (`python3 -`) says the kind as well
+WORD_RE = re.compile(r"[A-Za-z_][A-Za-z_]{1,}")
+SHELLS = frozenset({"sh", "bash", "dash", "ash", "zsh", "busybox"})
+SHELL_SCRIPT_FLAG_RE = re.compile(r"^-[a-z]*c$")      # -c, -lc, -ec
+
+
+def command_words(argv: list[str], stdin: bytes | None = None) -> np.ndarray:
+    """The command's distinct words as sorted 64-bit hashes (at most MAX_WORDS). A shell
+    that runs a script (``sh -c SCRIPT``) is left out: it says nothing of the kind."""
+    if len(argv) >= 3 and PurePosixPath(argv[0]).name in SHELLS and SHELL_SCRIPT_FLAG_RE.match(argv[1]):
+        argv = argv[2:]
+    text = "\n".join(argv)
+    if stdin:
+        text += "\n" + stdin[:STDIN_WORDS_BYTES].decode("utf-8", "replace")
+    words = dict.fromkeys(WORD_RE.findall(text))        # first occurrences, in order
+    hashes = [xxhash.xxh3_64_intdigest(w.encode()) for w in list(words)[:MAX_WORDS]]
+    return np.unique(np.array(hashes, dtype=np.uint64))
+
+
+def jaccard(a: np.ndarray, b: np.ndarray) -> float:
+    """Overlap of two sorted word sets (1.0 for two empty ones)."""
+    common = len(np.intersect1d(a, b, assume_unique=True))
+    union = len(a) + len(b) - common
+    return common / union if union else 1.0
+
+
+@dataclass
+class _Kind:
+    name: str | None              # the orchestrator's name, or None (told from the words)
+    words: np.ndarray
+    used_at: int                  # the call counter when last seen (for eviction)
+    pages: np.ndarray | None = None   # packed bit per page: its last phase's working set
+
+
+class CallKinds:
+    """One sandbox's kinds of tool call and their working sets. Thread-safe: an exec notes
+    its call while a compression of the same sandbox may be ending its phase."""
+
+    def __init__(self, pages: int, max_kinds: int = MAX_KINDS) -> None:
+        self.pages = pages
+        self.max_kinds = max_kinds
+        self._kinds: dict[int, _Kind] = {}
+        self._phase: set[int] = set()           # kinds called since the last phase ended
+        self._fresh = np.empty(0, dtype=np.int64)   # pages the last phase created
+        self._calls = 0
+        self._next_id = 0
+        self._lock = threading.Lock()
+
+    def note(self, argv: list[str], stdin: bytes | None = None, name: str | None = None) -> int:
+        """The kind of this call (a new one if nothing resembles it), noted as run in the
+        current phase."""
+        words = command_words(argv, stdin) if name is None else np.empty(0, dtype=np.uint64)
+        with self._lock:
+            self._calls += 1
+            kid = self._match(words, name)
+            if kid is None:
+                kid = self._add(_Kind(name, words, self._calls))
+            self._kinds[kid].used_at = self._calls
+            self._phase.add(kid)
+            return kid
+
+    def predict(self, kid: int | None) -> np.ndarray | None:
+        """Pages a call of this kind is expected to touch (sorted), or None when no phase of
+        the kind has ended (the caller falls back on the last phase's set)."""
+        with self._lock:
+            k = self._kinds.get(kid) if kid is not None else None
+            if k is None or k.pages is None:
+                return None
+            used = np.flatnonzero(np.unpackbits(k.pages, count=self.pages, bitorder="little"))
+            return np.union1d(used, self._fresh)
+
+    def end_phase(self, used: np.ndarray, fresh: np.ndarray) -> None:
+        """A phase ended (its sandbox compressed): ``used`` is every page it touched, kept as
+        the working set of each kind called in it; ``fresh`` the pages it created."""
+        bits = np.zeros(self.pages, dtype=bool)
+        used = np.asarray(used, dtype=np.int64)
+        bits[used[(used >= 0) & (used < self.pages)]] = True
+        packed = np.packbits(bits, bitorder="little")
+        with self._lock:
+            for kid in self._phase:
+                if kid in self._kinds:
+                    self._kinds[kid].pages = packed
+            self._phase.clear()
+            self._fresh = np.asarray(fresh, dtype=np.int64)
+
+    @property
+    def kinds(self) -> int:
+        return len(self._kinds)
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held: the kinds' page maps (shared between kinds of one phase) and words."""
+        with self._lock:
+            maps = {id(k.pages): k.pages.nbytes for k in self._kinds.values() if k.pages is not None}
+            return int(sum(maps.values()) + sum(k.words.nbytes for k in self._kinds.values())
+                       + self._fresh.nbytes)
+
+    def _match(self, words: np.ndarray, name: str | None) -> int | None:
+        best, best_j = None, SAME_KIND_JACCARD
+        for kid, k in self._kinds.items():
+            if name is not None or k.name is not None:
+                if k.name == name:
+                    return kid
+                continue
+            j = jaccard(words, k.words)
+            if j >= best_j:
+                best, best_j = kid, j
+        return best
+
+    def _add(self, kind: _Kind) -> int:
+        if len(self._kinds) >= self.max_kinds:
+            oldest = min(self._kinds, key=lambda i: self._kinds[i].used_at)
+            del self._kinds[oldest]
+            self._phase.discard(oldest)
+        kid = self._next_id
+        self._next_id += 1
+        self._kinds[kid] = kind
+        return kid

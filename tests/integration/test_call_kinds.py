@@ -1,0 +1,69 @@
+"""The hot set per kind of tool call (daemon/callkinds.py), on a real copy-on-write guest: a
+resume for a call brings back what the last call of its kind used, not what the last phase
+used, and every byte the guest reads stays exact."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from azqemu.client import Client
+from azqemu.daemon import coldrule
+from tests.support.guest import needs_lazy_restore, sh
+
+pytestmark = [pytest.mark.vm, pytest.mark.root, pytest.mark.uffd]
+
+FILE_PAGES = 2900   # 9 MB of random bytes in base64: ~12 MB of tmpfs pages that zstd stores
+READ_ALPHA = "md5sum -c /tmp/alpha.md5"
+READ_BRAVO = "cd /tmp && sha256sum --check bravo.sha256 && wc -c bravo"
+
+
+@pytest.fixture(autouse=True)
+def _needs_lazy() -> None:
+    needs_lazy_restore()
+
+
+def _phase(c: Client, name: str, command: str) -> None:
+    """One phase that uses only what ``command`` reads: resumed by it, trimmed (every copy
+    the resume put back is dropped: no fault touched them since), then the command again,
+    which faults its own pages back; compressed at the end."""
+    r = c.exec(name=name, argv=["/bin/sh", "-c", command])
+    assert r.exit_code == 0, r.stdout.decode()
+    time.sleep(coldrule.AFTER_MIN_S + 0.5)
+    t = c.trim(name=name)
+    assert t is not None and t.dropped_pages > 0, t
+    r = c.exec(name=name, argv=["/bin/sh", "-c", command])
+    assert r.exit_code == 0, r.stdout.decode()
+    assert not c.compress(name=name).cancelled
+
+
+def test_a_resume_brings_back_what_the_last_call_of_its_kind_used(template: str) -> None:
+    c = Client()
+    (rec,) = c.clone(template=template, count=1, name_prefix="kinds-", ram_mode="cow")
+    name = rec.name
+    try:
+        code, out = sh(name, "cd /tmp && head -c 9000000 /dev/urandom | base64 > alpha && md5sum alpha > alpha.md5"
+                             " && head -c 9000000 /dev/urandom | base64 > bravo && sha256sum bravo > bravo.sha256")
+        assert code == 0, out
+        assert not c.compress(name=name).cancelled
+        _phase(c, name, READ_ALPHA)
+        _phase(c, name, READ_BRAVO)
+        # The last phase used bravo; this call is of alpha's kind: alpha comes back with the
+        # resume (one phase set for every call would have brought bravo and faulted alpha).
+        r = c.exec(name=name, argv=["/bin/sh", "-c", READ_ALPHA])
+        assert r.exit_code == 0, r.stdout.decode()
+        assert r.prefetched_pages >= 0.9 * FILE_PAGES, r
+        assert r.faults < 0.2 * FILE_PAGES, r
+        # Bravo was left in the store: its read, in the same phase, faults it in, exact.
+        r = c.exec(name=name, argv=["/bin/sh", "-c", READ_BRAVO])
+        assert r.exit_code == 0, r.stdout.decode()
+        assert r.faults >= 0.8 * FILE_PAGES, r
+        # A named kind is its own, whatever the command: nothing of it is known yet, so its
+        # resume brings back the last phase's set.
+        assert not c.compress(name=name).cancelled
+        r = c.exec(name=name, argv=["/bin/sh", "-c", READ_ALPHA], kind="verify_alpha")
+        assert r.exit_code == 0, r.stdout.decode()
+        assert r.prefetched_pages >= 1.8 * FILE_PAGES, r
+    finally:
+        c.destroy(name=name)

@@ -1,0 +1,112 @@
+"""Tool calls told apart by kind (daemon/callkinds.py): which calls are one kind, and what a
+resume for each is predicted to need."""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import numpy as np
+import pytest
+
+from azqemu.bench import workload
+from azqemu.daemon.callkinds import MAX_WORDS, CallKinds, command_words, jaccard
+
+PAGES = 4096
+
+
+def _sh(script: str) -> list[str]:
+    return ["/bin/sh", "-c", script]
+
+
+def test_numbers_and_quoting_do_not_make_a_new_kind() -> None:
+    kinds = CallKinds(PAGES)
+    assert command_words(_sh("make all")).tolist() == command_words(["make all"]).tolist()   # the shell: no kind
+    a = kinds.note(_sh("timeout 280 /run/kheap/cell <<'PY'\nrng = random.Random(123)\nrows[77] = 1\nPY"))
+    b = kinds.note(_sh('timeout 280 /run/kheap/cell <<"PY"\nrng = random.Random(98765)\nrows[4] = 2\nPY'))
+    c = kinds.note(_sh("git log --oneline | head -n 5"))
+    assert a == b
+    assert c != a
+    assert kinds.kinds == 2
+
+
+@pytest.mark.parametrize("name", workload.builtin_names())
+def test_calls_that_differ_only_in_numbers_are_one_kind(name: str) -> None:
+    plan = workload.load(name).plan(2, seed=3)
+    kinds = CallKinds(PAGES, max_kinds=64)
+    by_text: dict[str, int] = {}
+    for step in itertools.chain.from_iterable(plan):
+        kid = kinds.note(_sh(step.tool))
+        assert by_text.setdefault(re.sub(r"\d+", "0", step.tool), kid) == kid
+
+
+def test_the_heap_walk_the_load_and_the_update_of_a_code_interpreter_are_different_kinds() -> None:
+    """long-lived-heap's calls that touch different parts of the heap never share a kind
+    (the small `inspect` and `summary` reads may: their words overlap by 0.56-0.6)."""
+    plan = workload.load("long-lived-heap").plan(4, seed=3)
+    kinds = CallKinds(PAGES, max_kinds=64)
+    seen: dict[int, set[str]] = {}
+    for step in itertools.chain.from_iterable(plan):
+        seen.setdefault(kinds.note(_sh(step.tool)), set()).add(step.label)
+    heavy = {"aggregate", "update", "load", "drop"}
+    assert all(len(labels & heavy) <= 1 for labels in seen.values()), seen
+    assert heavy <= set().union(*seen.values())
+
+
+def test_stdin_code_tells_kinds_apart() -> None:
+    kinds = CallKinds(PAGES)
+    a = kinds.note(["python3", "-"], stdin=b"import json\nfor row in table: total += row.price\n")
+    b = kinds.note(["python3", "-"], stdin=b"import subprocess\nsubprocess.run(['make', 'check'])\n")
+    assert a != b
+
+
+def test_a_named_kind_matches_only_its_name() -> None:
+    kinds = CallKinds(PAGES)
+    named = kinds.note(_sh("pytest -q tests"), name="run_tests")
+    unnamed = kinds.note(_sh("pytest -q tests"))
+    assert named != unnamed
+    assert kinds.note(_sh("ls -la"), name="run_tests") == named
+
+
+def test_prediction_is_the_kinds_last_phase_plus_what_the_last_phase_created() -> None:
+    kinds = CallKinds(PAGES)
+    walk = kinds.note(_sh("python3 walk_heap.py --all"))
+    assert kinds.predict(walk) is None            # no phase of it ended: the caller's fallback
+    kinds.end_phase(np.arange(100, 200), fresh=np.empty(0, dtype=np.int64))
+    load = kinds.note(_sh("python3 load_rows.py --chunk 5000"))
+    assert kinds.predict(load) is None
+    kinds.end_phase(np.arange(1000, 1100), fresh=np.arange(1000, 1050))
+    # The walk gets its own pages back, and the rows the load just made.
+    np.testing.assert_array_equal(kinds.predict(walk), np.concatenate([np.arange(100, 200), np.arange(1000, 1050)]))
+    np.testing.assert_array_equal(kinds.predict(load), np.arange(1000, 1100))
+    assert kinds.predict(None) is None
+
+
+def test_every_kind_called_in_a_phase_gets_its_working_set() -> None:
+    kinds = CallKinds(PAGES)
+    a = kinds.note(_sh("make build"))
+    b = kinds.note(_sh("grep -rn TODO src"))
+    kinds.end_phase(np.array([5, 9, PAGES - 1, PAGES + 7]), fresh=np.empty(0, dtype=np.int64))
+    np.testing.assert_array_equal(kinds.predict(a), [5, 9, PAGES - 1])   # out of range: ignored
+    np.testing.assert_array_equal(kinds.predict(b), [5, 9, PAGES - 1])
+    # The map is shared between them, and counted once.
+    assert kinds.nbytes == PAGES // 8 + sum(len(command_words(_sh(c))) * 8 for c in ("make build", "grep -rn TODO src"))
+
+
+def test_the_least_recently_used_kind_goes_first() -> None:
+    kinds = CallKinds(PAGES, max_kinds=3)
+    ids = [kinds.note(_sh(cmd)) for cmd in ("make all", "pytest tests", "git status")]
+    kinds.note(_sh("make all"))                   # used again: pytest is now the oldest
+    d = kinds.note(_sh("cargo build"))
+    assert kinds.kinds == 3
+    assert kinds.note(_sh("make all")) == ids[0]
+    assert kinds.note(_sh("git status")) == ids[2]
+    assert kinds.note(_sh("pytest tests")) not in ids + [d]   # forgotten: a new kind
+
+
+def test_words_are_bounded_and_jaccard_is_symmetric() -> None:
+    long = " ".join(f"word_{chr(97 + i % 26)}{chr(97 + i // 26 % 26)}{chr(97 + i // 676)}" for i in range(2000))
+    assert len(command_words([long])) == MAX_WORDS
+    a, b = command_words(["cat /etc/passwd"]), command_words(["cat /etc/hosts"])
+    assert jaccard(a, b) == jaccard(b, a) == pytest.approx(2 / 4)
+    assert jaccard(command_words(["1 2 3"]), command_words(["4"])) == 1.0     # no words at all
