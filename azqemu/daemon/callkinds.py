@@ -31,7 +31,7 @@ import numpy as np
 import xxhash
 
 SAME_KIND_JACCARD = 0.6
-MAX_KINDS = 8                 # per sandbox, least recently used first out: 1 bit per page each
+MAX_KINDS = 8                 # per sandbox, least recently used first out
 MAX_WORDS = 512               # words kept per kind (a command's first ones)
 STDIN_WORDS_BYTES = 4096      # code sent on stdin (`python3 -`) says the kind as well
 WORD_RE = re.compile(r"[A-Za-z_][A-Za-z_]{1,}")
@@ -64,7 +64,7 @@ class _Kind:
     name: str | None              # the orchestrator's name, or None (told from the words)
     words: np.ndarray
     used_at: int                  # the call counter when last seen (for eviction)
-    pages: np.ndarray | None = None   # packed bit per page: its last phase's working set
+    pages: np.ndarray | None = None   # its last phase's working set (_pack)
 
 
 class CallKinds:
@@ -101,16 +101,12 @@ class CallKinds:
             k = self._kinds.get(kid) if kid is not None else None
             if k is None or k.pages is None:
                 return None
-            used = np.flatnonzero(np.unpackbits(k.pages, count=self.pages, bitorder="little"))
-            return np.union1d(used, self._fresh)
+            return np.union1d(self._unpack(k.pages), self._fresh)
 
     def end_phase(self, used: np.ndarray, fresh: np.ndarray) -> None:
         """A phase ended (its sandbox compressed): ``used`` is every page it touched, kept as
         the working set of each kind called in it; ``fresh`` the pages it created."""
-        bits = np.zeros(self.pages, dtype=bool)
-        used = np.asarray(used, dtype=np.int64)
-        bits[used[(used >= 0) & (used < self.pages)]] = True
-        packed = np.packbits(bits, bitorder="little")
+        packed = self._pack(np.asarray(used, dtype=np.int64))
         with self._lock:
             for kid in self._phase:
                 if kid in self._kinds:
@@ -129,6 +125,21 @@ class CallKinds:
             maps = {id(k.pages): k.pages.nbytes for k in self._kinds.values() if k.pages is not None}
             return int(sum(maps.values()) + sum(k.words.nbytes for k in self._kinds.values())
                        + self._fresh.nbytes)
+
+    def _pack(self, used: np.ndarray) -> np.ndarray:
+        """A working set in the smaller of two forms: sorted u32 page indices (a coding
+        agent's few thousand pages) or a bit per page (a heap of tens of thousands)."""
+        used = np.unique(used[(used >= 0) & (used < self.pages)])
+        if 4 * len(used) < (self.pages + 7) // 8:
+            return used.astype(np.uint32)
+        bits = np.zeros(self.pages, dtype=bool)
+        bits[used] = True
+        return np.packbits(bits, bitorder="little")
+
+    def _unpack(self, packed: np.ndarray) -> np.ndarray:
+        if packed.dtype == np.uint32:
+            return packed.astype(np.int64)
+        return np.flatnonzero(np.unpackbits(packed, count=self.pages, bitorder="little"))
 
     def _match(self, words: np.ndarray, name: str | None) -> int | None:
         best, best_j = None, SAME_KIND_JACCARD

@@ -90,7 +90,7 @@ def memory_stats(mem: Any, *, reset: bool = False) -> dict[str, object]:
     counters["native_from"] = {k: native.get(f"from_{k}", 0) for k in ("template", "zero", "store")}
     stored = (mem.store.owned_bytes(mem.name).as_dict() if mem.name in mem.store.sandboxes() else {})
     return {"name": mem.name, "compressed": mem.compressed, "registered": mem.registered,
-            "copy_on_write": mem.cow, "store": stored,
+            "copy_on_write": mem.cow, "store": stored, "call_kinds": mem.calls.kinds,
             "handler": counters, "service_us": service,
             "last_compress": asdict(mem.last_compress), "last_resume": asdict(mem.last_resume),
             "compress_s_total": mem.compress_s_total, "restore_s_total": mem.restore_s_total}

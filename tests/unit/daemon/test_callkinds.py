@@ -89,8 +89,17 @@ def test_every_kind_called_in_a_phase_gets_its_working_set() -> None:
     kinds.end_phase(np.array([5, 9, PAGES - 1, PAGES + 7]), fresh=np.empty(0, dtype=np.int64))
     np.testing.assert_array_equal(kinds.predict(a), [5, 9, PAGES - 1])   # out of range: ignored
     np.testing.assert_array_equal(kinds.predict(b), [5, 9, PAGES - 1])
-    # The map is shared between them, and counted once.
-    assert kinds.nbytes == PAGES // 8 + sum(len(command_words(_sh(c))) * 8 for c in ("make build", "grep -rn TODO src"))
+    # The set is shared between them, and counted once: three u32 indices.
+    assert kinds.nbytes == 3 * 4 + sum(len(command_words(_sh(c))) * 8 for c in ("make build", "grep -rn TODO src"))
+
+
+def test_a_large_working_set_is_kept_as_a_bit_per_page() -> None:
+    kinds = CallKinds(PAGES)
+    kinds.note(_sh("python3 walk_heap.py"))
+    heap = np.arange(0, PAGES, 3)
+    kinds.end_phase(heap, fresh=np.empty(0, dtype=np.int64))
+    assert kinds.nbytes == PAGES // 8 + len(command_words(_sh("python3 walk_heap.py"))) * 8
+    np.testing.assert_array_equal(kinds.predict(kinds.note(_sh("python3 walk_heap.py"))), heap)
 
 
 def test_the_least_recently_used_kind_goes_first() -> None:
