@@ -246,8 +246,7 @@ class Accounting:
         if store is not None:
             tb, books = store.books(names)
             store_bytes, store_live = int(tb.arena_allocated_bytes), int(tb.arena_live_bytes)
-            dead = max(0, tb.arena_allocated_bytes - tb.arena_live_bytes)
-            overhead = 1.0 + dead / tb.total_bytes if tb.total_bytes else 1.0
+            overhead = tb.dead_overhead
         rows = {}
         host_mm = self.read_host_mm()
         for n in names:

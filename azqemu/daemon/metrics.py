@@ -203,9 +203,7 @@ class DaemonCollector(Collector):
         if store is None:
             return 0, 0, 1.0, {}
         tb, books = store.books(names)
-        dead = max(0, tb.arena_allocated_bytes - tb.arena_live_bytes)
-        overhead = 1.0 + dead / tb.total_bytes if tb.total_bytes else 1.0
-        return int(tb.arena_allocated_bytes), int(tb.arena_live_bytes), overhead, books
+        return int(tb.arena_allocated_bytes), int(tb.arena_live_bytes), tb.dead_overhead, books
 
     def _owned(self, name: str, overhead: float, host_mm: tuple[KsmStat, dict[str, int]],
                books: dict[str, OwnedBytes]) -> dict[str, Any]:

@@ -77,6 +77,13 @@ class StoreBytes:
     template_bytes: int        # the templates' own data pages, reported separately
     arena_allocated_bytes: int = 0  # what the arena files hold in tmpfs (dead pages punched)
 
+    @property
+    def dead_overhead(self) -> float:
+        """The factor on every sandbox's store bytes that shares out the arenas' dead bytes
+        (not yet punched or compacted: nobody's, yet host memory) pro rata."""
+        dead = max(0, self.arena_allocated_bytes - self.arena_live_bytes)
+        return 1.0 + dead / self.total_bytes if self.total_bytes else 1.0
+
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
 

@@ -199,3 +199,14 @@ def test_ping_reports_the_managers_memory_in_parts_read_at_most_once_a_second(mg
             "template_index_bytes", "sandbox_state_bytes", "sandboxes"} <= set(parts)
     assert mgr.op_ping()["manager_memory"] is parts                 # cached ...
     assert mgr.accounting.manager_memory_cached(max_age_s=0.0) is not parts   # ... for a while
+
+
+def test_the_arenas_dead_bytes_are_shared_out_pro_rata() -> None:
+    from azqemu.memory.accounting import StoreBytes
+
+    tb = StoreBytes(domains=1, sandboxes=2, total_bytes=1000, arena_used_bytes=1500,
+                    arena_live_bytes=1000, template_bytes=0, arena_allocated_bytes=1250)
+    assert tb.dead_overhead == 1.25
+    assert StoreBytes(0, 0, 0, 0, 0, 0).dead_overhead == 1.0       # an empty store
+    # Compacted past what the books hold (allocated below live): no negative share.
+    assert StoreBytes(1, 1, 1000, 900, 1000, 0, arena_allocated_bytes=900).dead_overhead == 1.0
