@@ -10,6 +10,7 @@ import pytest
 
 from azqemu.daemon.manager import Manager
 from azqemu.host import memacct, pagemap, procfs
+from azqemu.memory.accounting import StoreBytes
 from azqemu.virt.clones import SandboxRecord
 from azqemu.virt.templates import TemplateMeta
 
@@ -49,7 +50,8 @@ def mgr(cfg: Any, host: Any, sandbox_meta_of: Any, template: TemplateMeta,
     m.memory.mem["c0"] = FakeMem(3000)  # type: ignore[assignment]
     # The store: 1500 bytes allocated in its arenas, 1000 of them live: every store byte
     # of a sandbox costs 1.5.
-    totals = SimpleNamespace(arena_allocated_bytes=1500, arena_live_bytes=1000, total_bytes=1000)
+    totals = StoreBytes(domains=1, sandboxes=2, total_bytes=1000, arena_used_bytes=1500, arena_live_bytes=1000,
+                        template_bytes=0, arena_allocated_bytes=1500)
     store = SimpleNamespace(total_bytes=lambda: totals, books=lambda names: (totals, {}),
                             domain_bytes=lambda d: SimpleNamespace(blob_bytes=700, payload_bytes=600, index_bytes=50),
                             owned_bytes_many=lambda names: {})
@@ -202,8 +204,6 @@ def test_ping_reports_the_managers_memory_in_parts_read_at_most_once_a_second(mg
 
 
 def test_the_arenas_dead_bytes_are_shared_out_pro_rata() -> None:
-    from azqemu.memory.accounting import StoreBytes
-
     tb = StoreBytes(domains=1, sandboxes=2, total_bytes=1000, arena_used_bytes=1500,
                     arena_live_bytes=1000, template_bytes=0, arena_allocated_bytes=1250)
     assert tb.dead_overhead == 1.25
