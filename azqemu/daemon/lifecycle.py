@@ -290,11 +290,11 @@ class Lifecycle:
                 raise DomainStateError(name, dstate, "running")
             agent = GuestAgent(name, dom.agent_command)
             mem = self.memory.get(name)
-            (faults0, store0), trim0 = (mem.faults(), mem.trim_s_total) if mem is not None else ((0, 0), 0.0)
+            before = mem.call_counters() if mem is not None else (0, 0, 0.0)
             res = agent.exec(argv, timeout_s=float(timeout_s), stdin=stdin, on_output=on_output,  # streamed if given
                              exit_wait=lambda pid, t: self.reg.exits.wait_exit(name, pid, t))
-            (faults, store_faults), trim_s = (mem.faults(), mem.trim_s_total) if mem is not None else ((0, 0), 0.0)
-            faults, store_faults, trim_s = faults - faults0, store_faults - store0, trim_s - trim0
+            after = mem.call_counters() if mem is not None else before
+            faults, store_faults, trim_s = (after[0] - before[0], after[1] - before[1], after[2] - before[2])
         finally:
             slot.exec_ended()
             if st is not None:

@@ -592,9 +592,9 @@ class SandboxMemory:
         ob = (books if books is not None else self.store.owned_bytes_many([self.name])).get(self.name)
         return 0 if ob is None else int(ob.private_bytes + ob.shared_bytes + ob.index_bytes)
 
-    def faults(self) -> tuple[int, int]:
-        """Faults served, and of those the C thread's from the store (a trim or the hot set missed)."""
-        return self.handler.stats().faults, self.handler.native_counters().get("from_store", 0)
+    def call_counters(self) -> tuple[int, int, float]:
+        """Cumulative: faults served, those from the store (hot set or trim missed), trim pauses s."""
+        return self.handler.stats().faults, self.handler.native_counters().get("from_store", 0), self.trim_s_total
 
     def memstats(self, *, reset: bool = False) -> dict[str, object]:  # memstats.memory_stats
         return memory_stats(self, reset=reset)
