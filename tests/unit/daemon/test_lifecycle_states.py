@@ -79,7 +79,7 @@ class SteppedMemory(MemoryService):
             self.ending.add(name)
         self._ev(name).set()
 
-    def prefetch(self, name: str, *, hot: bool) -> dict[str, Any]:
+    def prefetch(self, name: str, *, hot: bool, call: int | None = None) -> dict[str, Any]:
         if self.prefetch_error is not None:
             raise self.prefetch_error
         self.compressed_names.discard(name)

@@ -20,7 +20,7 @@ OPS: dict[str, list[tuple[str, Any]]] = {
               ("sharing_domain", "default"), ("names", None), ("ram_mode", None), ("policy", "manual"),
               ("grace_s", 1.0)],
     "exec": [("name", inspect.Parameter.empty), ("argv", inspect.Parameter.empty), ("timeout_s", 300.0),
-             ("stdin_b64", None), ("on_output", None)],
+             ("stdin_b64", None), ("on_output", None), ("kind", None)],
     "phase": [("name", inspect.Parameter.empty), ("phase", inspect.Parameter.empty)],
     "set_policy": [("names", inspect.Parameter.empty), ("policy", inspect.Parameter.empty), ("grace_s", None),
                    ("pressure_budget_bytes", None)],
