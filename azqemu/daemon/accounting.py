@@ -284,12 +284,14 @@ class Accounting:
         (the page store's metadata of the sandboxes attached: blob rows, duplicate and
         similarity entries, sandbox indices), ``template_index_bytes`` (hashes and lookups of
         the template images it holds), ``sandbox_state_bytes`` (per-sandbox state: source
-        maps, fault handlers' maps and rings, hot sets, trim history) over ``sandboxes``."""
+        maps, fault handlers' maps and rings, hot sets per kind of call, trim history) over
+        ``sandboxes``, ``kind_book_bytes`` (the kinds of call per sharing domain)."""
         out = dict(selfmem.self_memory())
         out.update(selfmem.heap_stats())
         mems = list(self.memory.mem.values())
         out["sandboxes"] = len(mems)
         out["sandbox_state_bytes"] = sum(m.state_bytes() for m in mems)
+        out["kind_book_bytes"] = sum(b.nbytes for b in list(self.memory.kind_books.values()))
         out["template_index_bytes"] = sum(t.index_bytes for t in self.memory.loaded_templates() if not t.closed)
         store = self.memory.opened_store()
         index = 0

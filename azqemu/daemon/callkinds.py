@@ -16,7 +16,9 @@ its program does not; nor does the ``sh -c`` around a script) overlap by at leas
 command overlap by 0.64-1.0 (most by 0.9 and above) and the commands of different steps by
 0.62 at most (coding-agent's read and edit, both sed on one file: those two are one kind,
 as long-lived-heap's small inspect and summary reads can be). A command nothing resembles is a new
-kind; until one of its phases ends, its resume brings back the last phase's set, as before.
+kind; until one of its phases ends, its resume brings back what a sibling's last call of
+that kind used (``KindBook``: sandboxes of one sharing domain are clones of one template, so
+their heaps and page caches sit at the same addresses), or else the last phase's set.
 Predictions only: a page left out faults in, one too many is dropped by the next trim.
 """
 
@@ -32,6 +34,7 @@ import xxhash
 
 SAME_KIND_JACCARD = 0.6
 MAX_KINDS = 8                 # per sandbox, least recently used first out
+MAX_BOOK_KINDS = 16           # per sharing domain
 MAX_WORDS = 512               # words kept per kind (a command's first ones)
 STDIN_WORDS_BYTES = 4096      # code sent on stdin (`python3 -`) says the kind as well
 WORD_RE = re.compile(r"[A-Za-z_][A-Za-z_]{1,}")
@@ -67,13 +70,70 @@ class _Kind:
     pages: np.ndarray | None = None   # its last phase's working set (_pack)
 
 
+def _best_match(kinds: dict[int, _Kind], words: np.ndarray, name: str | None) -> int | None:
+    """The kind of ``kinds`` a call is: the one of the same name, or (no name) the one whose
+    words overlap most, by SAME_KIND_JACCARD at least."""
+    best, best_j = None, SAME_KIND_JACCARD
+    for kid, k in kinds.items():
+        if name is not None or k.name is not None:
+            if k.name == name:
+                return kid
+            continue
+        j = jaccard(words, k.words)
+        if j >= best_j:
+            best, best_j = kid, j
+    return best
+
+
+def _evict(kinds: dict[int, _Kind], room_for: int) -> list[int]:
+    """Forget the least recently used kinds until one more fits in ``room_for``."""
+    gone = sorted(kinds, key=lambda i: kinds[i].used_at)[:max(0, len(kinds) - room_for + 1)]
+    for kid in gone:
+        del kinds[kid]
+    return gone
+
+
+class KindBook:
+    """The kinds of tool call of one sharing domain (one tenant's clones of one template) and
+    the working set each last had in any of its sandboxes. Pages are shared, not copied."""
+
+    def __init__(self, max_kinds: int = MAX_BOOK_KINDS) -> None:
+        self.max_kinds = max_kinds
+        self._kinds: dict[int, _Kind] = {}
+        self._ticks = 0
+        self._lock = threading.Lock()
+
+    def publish(self, name: str | None, words: np.ndarray, pages: np.ndarray) -> None:
+        with self._lock:
+            self._ticks += 1
+            kid = _best_match(self._kinds, words, name)
+            if kid is None:
+                _evict(self._kinds, self.max_kinds)
+                kid = self._ticks
+                self._kinds[kid] = _Kind(name, words, self._ticks)
+            self._kinds[kid].pages, self._kinds[kid].used_at = pages, self._ticks
+
+    def look_up(self, name: str | None, words: np.ndarray) -> np.ndarray | None:
+        """The working set a sibling's last call of this kind had (packed), or None."""
+        with self._lock:
+            kid = _best_match(self._kinds, words, name)
+            return None if kid is None else self._kinds[kid].pages
+
+    @property
+    def nbytes(self) -> int:
+        """Its words and the working sets it holds (most also held by a sandbox's CallKinds)."""
+        with self._lock:
+            return int(sum(k.words.nbytes + (0 if k.pages is None else k.pages.nbytes) for k in self._kinds.values()))
+
+
 class CallKinds:
     """One sandbox's kinds of tool call and their working sets. Thread-safe: an exec notes
     its call while a compression of the same sandbox may be ending its phase."""
 
-    def __init__(self, pages: int, max_kinds: int = MAX_KINDS) -> None:
+    def __init__(self, pages: int, max_kinds: int = MAX_KINDS, siblings: KindBook | None = None) -> None:
         self.pages = pages
         self.max_kinds = max_kinds
+        self.siblings = siblings
         self._kinds: dict[int, _Kind] = {}
         self._phase: set[int] = set()           # kinds called since the last phase ended
         self._fresh = np.empty(0, dtype=np.int64)   # pages the last phase created
@@ -95,24 +155,33 @@ class CallKinds:
             return kid
 
     def predict(self, kid: int | None) -> np.ndarray | None:
-        """Pages a call of this kind is expected to touch (sorted), or None when no phase of
-        the kind has ended (the caller falls back on the last phase's set)."""
+        """Pages a call of this kind is expected to touch (sorted): what its last phase here
+        used, or else what a sibling's did; None when neither is known (the caller falls back
+        on the last phase's set)."""
         with self._lock:
             k = self._kinds.get(kid) if kid is not None else None
-            if k is None or k.pages is None:
+            if k is None:
                 return None
-            return np.union1d(self._unpack(k.pages), self._fresh)
+            pages = k.pages
+            if pages is None and self.siblings is not None:
+                pages = self.siblings.look_up(k.name, k.words)
+            if pages is None:
+                return None
+            return np.union1d(self._unpack(pages), self._fresh)
 
     def end_phase(self, used: np.ndarray, fresh: np.ndarray) -> None:
         """A phase ended (its sandbox compressed): ``used`` is every page it touched, kept as
         the working set of each kind called in it; ``fresh`` the pages it created."""
         packed = self._pack(np.asarray(used, dtype=np.int64))
         with self._lock:
-            for kid in self._phase:
-                if kid in self._kinds:
-                    self._kinds[kid].pages = packed
+            ran = [self._kinds[kid] for kid in self._phase if kid in self._kinds]
+            for k in ran:
+                k.pages = packed
             self._phase.clear()
             self._fresh = np.asarray(fresh, dtype=np.int64)
+        if self.siblings is not None:
+            for k in ran:
+                self.siblings.publish(k.name, k.words, packed)
 
     @property
     def kinds(self) -> int:
@@ -137,27 +206,20 @@ class CallKinds:
         return np.packbits(bits, bitorder="little")
 
     def _unpack(self, packed: np.ndarray) -> np.ndarray:
+        """Page indices of a working set (a sibling's is of the same size: one template)."""
         if packed.dtype == np.uint32:
-            return packed.astype(np.int64)
+            idx = packed.astype(np.int64)
+            return idx[idx < self.pages]
+        if len(packed) != (self.pages + 7) // 8:
+            return np.empty(0, dtype=np.int64)
         return np.flatnonzero(np.unpackbits(packed, count=self.pages, bitorder="little"))
 
     def _match(self, words: np.ndarray, name: str | None) -> int | None:
-        best, best_j = None, SAME_KIND_JACCARD
-        for kid, k in self._kinds.items():
-            if name is not None or k.name is not None:
-                if k.name == name:
-                    return kid
-                continue
-            j = jaccard(words, k.words)
-            if j >= best_j:
-                best, best_j = kid, j
-        return best
+        return _best_match(self._kinds, words, name)
 
     def _add(self, kind: _Kind) -> int:
-        if len(self._kinds) >= self.max_kinds:
-            oldest = min(self._kinds, key=lambda i: self._kinds[i].used_at)
-            del self._kinds[oldest]
-            self._phase.discard(oldest)
+        for gone in _evict(self._kinds, self.max_kinds):
+            self._phase.discard(gone)
         kid = self._next_id
         self._next_id += 1
         self._kinds[kid] = kind

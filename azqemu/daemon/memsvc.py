@@ -32,6 +32,7 @@ from typing import Any
 
 from azqemu import config as config_mod
 from azqemu.daemon import durations
+from azqemu.daemon.callkinds import KindBook
 from azqemu.daemon.eventlog import Publish, discard
 from azqemu.daemon.sandboxmem import SandboxMemory
 from azqemu.daemon.supervisor import FaultSupervisor, SupervisedMemory
@@ -65,6 +66,9 @@ class MemoryService:
         # under the same name is a different file, never decoded against the old image.
         self._template_images: dict[str, tuple[tuple[float, int, int], TemplateImage]] = {}
         self.mem: dict[str, SandboxMemory] = {}
+        # Per sharing domain: the kinds of tool call its sandboxes ran and their working sets
+        # (callkinds.KindBook), while one of its sandboxes lives.
+        self.kind_books: dict[str, KindBook] = {}
         self.compress_cpu_s: dict[str, float] = {}   # compressing thread's CPU time per sandbox
         self.compress_count: dict[str, int] = {}     # compressions that finished, per sandbox
         # Bytes that reached the encoder, per sandbox: pages new or changed since they were
@@ -212,6 +216,7 @@ class MemoryService:
                 # the store's again in the sources; nothing serves faults yet.
                 crash_point("after-reattach")
             mem.attach()
+        mem.calls.siblings = self.kind_books.setdefault(mem.sharing_domain, KindBook())
         self.mem[name] = mem
         self.supervisor.ensure_started()
         return mem
@@ -252,6 +257,8 @@ class MemoryService:
             mem = self.mem.pop(name, None)
             if mem is not None:
                 mem.detach()
+                if all(m.sharing_domain != mem.sharing_domain for m in self.mem.values()):
+                    self.kind_books.pop(mem.sharing_domain, None)
 
     def release(self, name: str) -> None:
         """Detach, and free the sandbox's pages and references in the store."""

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from azqemu.bench import workload
-from azqemu.daemon.callkinds import MAX_WORDS, CallKinds, command_words, jaccard
+from azqemu.daemon.callkinds import MAX_WORDS, CallKinds, KindBook, command_words, jaccard
 
 PAGES = 4096
 
@@ -119,3 +119,32 @@ def test_words_are_bounded_and_jaccard_is_symmetric() -> None:
     a, b = command_words(["cat /etc/passwd"]), command_words(["cat /etc/hosts"])
     assert jaccard(a, b) == jaccard(b, a) == pytest.approx(2 / 4)
     assert jaccard(command_words(["1 2 3"]), command_words(["4"])) == 1.0     # no words at all
+
+
+def test_a_first_call_of_a_kind_gets_what_a_siblings_last_call_of_it_used() -> None:
+    book = KindBook()
+    a, b = CallKinds(PAGES, siblings=book), CallKinds(PAGES, siblings=book)
+    a.note(_sh("python3 - <<'PY'\nimport gc\nfor key in sorted(loaded)[:-1]: del loaded[key]\ngc.collect()\nPY"))
+    a.end_phase(np.arange(0, 3000), fresh=np.empty(0, dtype=np.int64))
+    kid = b.note(_sh("python3 - <<'PY'\nimport gc\nfor key in sorted(loaded)[:-2]: del loaded[key]\ngc.collect()\nPY"))
+    np.testing.assert_array_equal(b.predict(kid), np.arange(0, 3000))
+    # Its own phase, once one ended, comes first.
+    b.end_phase(np.arange(10, 20), fresh=np.empty(0, dtype=np.int64))
+    np.testing.assert_array_equal(b.predict(kid), np.arange(10, 20))
+    # A kind no sibling ran: nothing to predict.
+    assert b.predict(b.note(_sh("make -j2 all"))) is None
+    # A sibling's set of another RAM size (never within one template) is not used.
+    other = CallKinds(PAGES * 2, siblings=book)
+    other.note(_sh("cargo test --release"))
+    other.end_phase(np.arange(0, PAGES * 2, 2), fresh=np.empty(0, dtype=np.int64))
+    assert len(b.predict(b.note(_sh("cargo test --release")))) == 0
+
+
+def test_a_book_keeps_its_most_recent_kinds() -> None:
+    book = KindBook(max_kinds=2)
+    for cmd in ("make all", "pytest tests", "git status"):
+        book.publish(None, command_words([cmd]), np.arange(3, dtype=np.uint32))
+    assert book.look_up(None, command_words(["make all"])) is None
+    assert book.look_up(None, command_words(["git status"])) is not None
+    assert book.look_up("git", command_words(["git status"])) is None     # a named kind is its name
+    assert book.nbytes == sum(len(command_words([c])) * 8 + 12 for c in ("pytest tests", "git status"))
