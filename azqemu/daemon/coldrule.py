@@ -39,6 +39,7 @@ class ColdRule:
     last_refault: float = 0.0            # the share of dropped pages that came back, last judged
     pace_s: float = 0.0                  # least time between trims after trims that dropped little
     _dropped: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    _back: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
 
     def note_dropped(self, pages: np.ndarray, resident_pages: int = 0) -> None:
         """Pages a trim dropped (page indices) of the ``resident_pages`` copies it read. One that
@@ -57,31 +58,37 @@ class ColdRule:
         (the agentzip-steady-trims ablation)."""
         return max(self.after_s / 2, self.pace_s if backoff else 0.0)
 
+    def note_back(self, pages: np.ndarray) -> None:
+        """Pages put back before a tool call because its kind used them (a running sandbox's
+        refill): a dropped one among them came back as surely as by a fault, unseen."""
+        self._back = np.union1d(self._back, np.asarray(pages, dtype=np.int64))
+
     def judge(self, faulted: np.ndarray) -> float:
-        """Given the pages that faulted since the drops were noted, adapt ``after_s`` and
-        start a new window; returns ``after_s``."""
+        """Given the pages that faulted since the drops were noted (or were put back:
+        ``note_back``), adapt ``after_s`` and start a new window; returns ``after_s``."""
         if len(self._dropped) < JUDGE_PAGES:
             return self.after_s
-        back = float(in_sorted(self._dropped, faulted).mean())   # faulted: ascending
+        came = np.union1d(faulted, self._back) if len(self._back) else faulted    # ascending
+        back = float(in_sorted(self._dropped, came).mean())
         if back > REFAULT_HIGH:
             self.after_s = min(AFTER_MAX_S, self.after_s * 2)
         elif back < REFAULT_LOW:
             self.after_s = max(AFTER_MIN_S, self.after_s / 2)
         self.last_refault = back
         self.judged += 1
-        self._dropped = np.empty(0, dtype=np.int64)
+        self._dropped = self._back = np.empty(0, dtype=np.int64)
         return self.after_s
 
     def state_bytes(self) -> int:
         """Memory held for the rule between trims (the dropped pages noted)."""
-        return int(self._dropped.nbytes)
+        return int(self._dropped.nbytes + self._back.nbytes)
 
     def forget_drops(self) -> None:
         """A compression starts a new fault record: drops noted before it cannot be judged,
         and the trims' pace starts again (what the tool call before the wait left alone says
         nothing about the next one; a wait too short to compress keeps the pace)."""
         self.pace_s = 0.0
-        self._dropped = np.empty(0, dtype=np.int64)
+        self._dropped = self._back = np.empty(0, dtype=np.int64)
 
 
 @dataclass

@@ -283,8 +283,11 @@ class Lifecycle:
             with self._locked(name, "exec") as slot:
                 lock_wait_s = time.monotonic() - t0
                 state = slot.require("exec", (State.RUNNING, State.COMPRESSED))
+                prefetch = st.policy.prefetch if st else True
                 if state is State.COMPRESSED and not slot.user_paused:
-                    resume = self.resume_locked(name, dom, prefetch=st.policy.prefetch if st else True, call=call)
+                    resume = self.resume_locked(name, dom, prefetch=prefetch, call=call)
+                elif prefetch and not slot.user_paused:
+                    resume = self.memory.refill(name, call)
             dstate = dom.state()
             if dstate != "running":
                 raise DomainStateError(name, dstate, "running")

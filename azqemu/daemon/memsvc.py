@@ -362,6 +362,18 @@ class MemoryService:
         mem = self.mem.get(name)
         return None if mem is None else mem.calls.note(argv, stdin, kind)
 
+    def refill(self, name: str, call: int | None) -> dict[str, Any]:
+        """A tool call of kind ``call`` starts in a running sandbox (its wait was too short to
+        compress it, or the compression was cancelled): the pages of that kind that trims
+        dropped come back first, the vCPUs running. {} when there is nothing to predict."""
+        mem = self.mem.get(name)
+        if mem is None or mem.compressed or call is None:
+            return {}
+        st = mem.prefetch(hot=True, call=call)
+        if not st.prefetched_pages:
+            return {}
+        return {"prefetched_pages": st.prefetched_pages, "prefetch_s": st.prefetch_s, "resume_s": st.total_s}
+
     def prefetch(self, name: str, *, hot: bool, call: int | None = None) -> dict[str, Any]:
         """A compressed sandbox's hot set back (before its vCPUs continue), for a tool call of
         kind ``call`` if one resumes it; {} when it is not compressed."""

@@ -248,8 +248,7 @@ class SandboxMemory:
         cancel arrived since the compression was decided (it stops at its next step)."""
         self._cancel.clear()
         self._stop_test = stop
-        st = CompressStats()
-        t0 = time.perf_counter()
+        st, t0 = CompressStats(), time.perf_counter()
         with self._lock:
             self._serve()
             idx = self.scan.index()
@@ -297,10 +296,10 @@ class SandboxMemory:
             st.encode_s = time.perf_counter() - t1
             st.stored_pages, st.raw_pages = len(enc_stored), len(enc_raw)
             self.hot_idx = hot_idx
-            # Kept for the kinds of call the phase ran; what it created (copies neither
-            # prefetched nor faulted back from the store) comes back for any kind.
-            self.calls.end_phase(hot_idx, np.setdiff1d(idx, np.union1d(self._faulted_from_store(),
-                                                                       self._prefetched_idx)))
+            # Kept for the kinds of call the phase ran; what it created (copies neither prefetched
+            # nor faulted back from the store) comes back for any kind.
+            came_back = np.union1d(self._faulted_from_store(), self._prefetched_idx)
+            self.calls.end_phase(hot_idx, np.setdiff1d(idx, came_back))
             self._prefetched_idx = np.empty(0, dtype=np.int64)
             self.handler.reset_hot()
             st.hot_pages = len(self.hot_idx)
@@ -407,8 +406,7 @@ class SandboxMemory:
         dropped page is still read is learned by its fault: it comes back once and stays for
         the rest of the phase, and the share that comes back adapts the rule (coldrule.py).
         The caller pauses the vCPUs: a page written between the scan and the drop would be lost."""
-        st = TrimStats()
-        t0 = time.perf_counter()
+        st, t0 = TrimStats(), time.perf_counter()
         with self._lock:
             # A cancel left over from the last resume must not stop this one; a destroy or a
             # resume that arrives from now on stops it before anything is dropped.
@@ -564,24 +562,25 @@ class SandboxMemory:
 
     # -- resume ---------------------------------------------------------------------------
     def prefetch(self, *, hot: bool = True, call: int | None = None) -> ResumeStats:
-        """Put back the pages the last call of kind ``call`` used (calls.note), else the last phase's."""
-        st = ResumeStats()
-        t0 = time.perf_counter()
+        """Put back the pages the last call of kind ``call`` used (calls.note), else the last
+        phase's. Running (a call came before any compression): those of them trims dropped."""
+        st, t0 = ResumeStats(), time.perf_counter()
         with self._lock:
-            if hot and self.compressed and len(self.hot_idx):
-                stored = self.store.stored_pages(self.name)
-                predicted = self.calls.predict(call)
-                want = np.intersect1d(self.hot_idx if predicted is None else predicted, stored)
-                if len(want):
-                    with Prefetcher(self.handle.uffd) as pf:
-                        r = pf.prefetch(self.block, want, self.sources)
-                    self._prefetched_idx = want
-                    st.prefetched_pages = r.pages_copied
-                    st.prefetch_s = r.elapsed_s
-                    st.prefetch_mib_s = r.mib_s
-                    st.decode_s, st.copy_s = r.decode_s, r.copy_s
+            predicted = self.calls.predict(call)
+            want = np.empty(0, dtype=np.int64)
+            if hot and self.compressed:
+                want = np.intersect1d(self.hot_idx if predicted is None else predicted, self.store.stored_pages(self.name))
+            elif hot and predicted is not None and self.registered and self.name in self.store.sandboxes():
+                want = np.setdiff1d(np.intersect1d(predicted, self.store.stored_pages(self.name)), self.scan.index())
+                self.cold.note_back(want)
+            if len(want):    # a page the guest faulted in meanwhile is skipped (EEXIST)
+                with Prefetcher(self.handle.uffd) as pf:
+                    r = pf.prefetch(self.block, want, self.sources)
+                self._prefetched_idx = np.union1d(self._prefetched_idx, want)
+                st.prefetched_pages, st.prefetch_s, st.prefetch_mib_s = r.pages_copied, r.elapsed_s, r.mib_s
+                st.decode_s, st.copy_s = r.decode_s, r.copy_s
+            self._resumed_at = time.monotonic() if self.compressed or len(want) else self._resumed_at
             self.compressed = False
-            self._resumed_at = time.monotonic()
             st.total_s = time.perf_counter() - t0
             self.restore_s_total += st.total_s
             self.last_resume = st

@@ -60,3 +60,14 @@ def test_trims_that_drop_little_space_out_the_next_ones() -> None:
     assert r.pace_s == 0.0
     r.note_dropped(np.empty(0), 0)                            # nothing resident: nothing to judge
     assert r.pace_s == 0.0
+
+
+def test_dropped_pages_put_back_before_a_call_count_as_come_back() -> None:
+    """A running sandbox's refill brings dropped pages back without a fault: the judge sees
+    them as come back all the same (else trims would drop them again and again)."""
+    rule = ColdRule()
+    dropped = np.arange(2 * coldrule.JUDGE_PAGES)
+    rule.note_dropped(dropped)
+    rule.note_back(dropped[: coldrule.JUDGE_PAGES])          # half of them, no fault at all
+    assert rule.judge(np.empty(0, dtype=np.int64)) == 2 * coldrule.AFTER_MIN_S
+    assert rule.state_bytes() == 0                   # the window starts again
