@@ -54,10 +54,12 @@ def test_dup_lookup_returns_only_live_blobs_of_the_domain_and_finds_the_newest(s
                 if b >= 0:
                     assert (b, di, k) in mine            # live, this domain, this key
                 elif mine:
-                    # A miss only where the newest entry of that key is a dead blob's (it
-                    # shadows the older live one until the index is rebuilt).
-                    newest = int(d.dup_ids[d.dup_keys == k][-1])
-                    assert (newest, di, k) not in mine
+                    # A miss only where the newest entry of that key in each layer (the young
+                    # entries, the merged ones) is a dead blob's: it shadows older live ones
+                    # of its layer until the index is rebuilt.
+                    for keys, ids in ((d.dup_young_keys, d.dup_young_ids), (d.dup_keys, d.dup_ids)):
+                        if (keys == k).any():
+                            assert (int(ids[keys == k][-1]), di, k) not in mine
 
 
 def test_churn_merges_the_dup_index_instead_of_rebuilding_it(monkeypatch) -> None:
@@ -84,6 +86,24 @@ def test_churn_merges_the_dup_index_instead_of_rebuilding_it(monkeypatch) -> Non
     _free(t, ids[:6000])
     t.find_dups(d, np.zeros(1, np.uint64))
     assert rebuilds == 2 and d.dup_stale == 0 and len(d.dup_keys) == len(ids) - 6000
+
+
+def test_new_entries_wait_in_the_young_layer_until_they_are_an_eighth_of_the_index() -> None:
+    t = BlobTable()
+    d = t.domain("a", "tpl")
+    rng = np.random.default_rng(1)
+    old = _add(t, d, rng.integers(1, 2**63, 8000).tolist())
+    t.find_dups(d, np.zeros(1, np.uint64))
+    assert len(d.dup_keys) == 8000 and not len(d.dup_young_keys)
+    young = _add(t, d, rng.integers(1, 2**63, 500).tolist())
+    assert (t.find_dups(d, t.rows["key"][young]) == young).all()
+    assert len(d.dup_keys) == 8000 and len(d.dup_young_keys) == 500      # the big one untouched
+    assert (t.find_dups(d, t.rows["key"][old]) == old).all()
+    more = _add(t, d, rng.integers(1, 2**63, 600).tolist())
+    t.find_dups(d, np.zeros(1, np.uint64))
+    assert len(d.dup_keys) == 9100 and not len(d.dup_young_keys)       # 1,100 > 8,000 / 8: merged
+    both = np.concatenate([old, young, more])
+    assert (t.find_dups(d, t.rows["key"][both]) == both).all()
 
 
 def test_quarantined_ids_wait_for_the_purge_before_reuse() -> None:
