@@ -36,7 +36,7 @@ from azqemu.daemon.callkinds import KindBook
 from azqemu.daemon.eventlog import Publish, discard
 from azqemu.daemon.sandboxmem import SandboxMemory
 from azqemu.daemon.supervisor import FaultSupervisor, SupervisedMemory
-from azqemu.errors import ConfigError, StoreCorrupt, StoreError, StoreForeign
+from azqemu.errors import ConfigError, RestoreError, StoreCorrupt, StoreError, StoreForeign
 from azqemu.host import selfmem, threads
 from azqemu.memory.crashpoint import crash_point
 from azqemu.memory.persist import STORE_FILE, read_store
@@ -216,8 +216,9 @@ class MemoryService:
                 # the store's again in the sources; nothing serves faults yet.
                 crash_point("after-reattach")
             mem.attach()
-        mem.calls.siblings = self.kind_books.setdefault(mem.sharing_domain, KindBook())
-        self.mem[name] = mem
+        with self._handlers_guard:    # a detach drops a domain's book when its last sandbox goes
+            mem.calls.siblings = self.kind_books.setdefault(mem.sharing_domain, KindBook())
+            self.mem[name] = mem
         self.supervisor.ensure_started()
         return mem
 
@@ -369,7 +370,12 @@ class MemoryService:
         mem = self.mem.get(name)
         if mem is None or mem.compressed or call is None:
             return {}
-        st = mem.prefetch(hot=True, call=call)
+        try:
+            st = mem.prefetch(hot=True, call=call)
+        except (StoreError, RestoreError) as exc:
+            # A prediction, not a duty: the fault path serves (or reports) those pages.
+            log.warning("%s: pages of the coming tool call not put back: %s", name, exc)
+            return {}
         if not st.prefetched_pages:
             return {}
         return {"prefetched_pages": st.prefetched_pages, "prefetch_s": st.prefetch_s, "resume_s": st.total_s}
