@@ -137,6 +137,7 @@ class CallKinds:
         self._kinds: dict[int, _Kind] = {}
         self._phase: set[int] = set()           # kinds called since the last phase ended
         self._fresh = np.empty(0, dtype=np.int64)   # pages the last phase created
+        self._trimmed = np.empty(0, dtype=np.int64)  # pages trims dropped in this phase
         self._calls = 0
         self._next_id = 0
         self._lock = threading.Lock()
@@ -179,9 +180,21 @@ class CallKinds:
                 k.pages = packed
             self._phase.clear()
             self._fresh = np.asarray(fresh, dtype=np.int64)
+            self._trimmed = np.empty(0, dtype=np.int64)
         if self.siblings is not None:
             for k in ran:
                 self.siblings.publish(k.name, k.words, packed)
+
+    def note_trimmed(self, pages: np.ndarray) -> None:
+        """Pages a trim dropped in this phase: what a running sandbox's call may get back."""
+        with self._lock:
+            self._trimmed = np.union1d(self._trimmed, np.asarray(pages, dtype=np.int64))
+
+    def trimmed(self, pages: np.ndarray) -> np.ndarray:
+        """Those of ``pages`` (sorted) that trims dropped in this phase. Pages the compression
+        dropped are not among them: a resume without its prefetch left them to faults."""
+        with self._lock:
+            return np.intersect1d(pages, self._trimmed, assume_unique=True)
 
     @property
     def kinds(self) -> int:
@@ -193,7 +206,7 @@ class CallKinds:
         with self._lock:
             maps = {id(k.pages): k.pages.nbytes for k in self._kinds.values() if k.pages is not None}
             return int(sum(maps.values()) + sum(k.words.nbytes for k in self._kinds.values())
-                       + self._fresh.nbytes)
+                       + self._fresh.nbytes + self._trimmed.nbytes)
 
     def _pack(self, used: np.ndarray) -> np.ndarray:
         """A working set in the smaller of two forms: sorted u32 page indices (a coding

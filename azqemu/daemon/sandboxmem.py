@@ -479,6 +479,7 @@ class SandboxMemory:
             kept = ~in_sorted(idx, drop)
             self._history.keep(idx[kept], key[kept], since[kept], raw[kept])
             self.cold.note_dropped(drop, st.resident_pages)
+            self.calls.note_trimmed(drop)
             # A prefetched page dropped unused by a tool call this long is not in this phase's
             # working set: the next resume need not bring it back.
             self._prefetched_idx = np.setdiff1d(self._prefetched_idx, drop, assume_unique=True)
@@ -494,8 +495,7 @@ class SandboxMemory:
         return faulted[kinds == self.sources.index_of(self._store_src)]
 
     def state_bytes(self) -> int:
-        """Manager memory held for this sandbox between operations: source map, the fault
-        handler's maps and ring, hot set, trim history (a compression's buffers are freed)."""
+        """Manager memory held for this sandbox between operations (a compression's buffers are freed)."""
         return int(len(self.sources.kinds) + self.handler.state_bytes() + self.hot_idx.nbytes
                    + self._prefetched_idx.nbytes + self._history.nbytes + self.cold.state_bytes()
                    + self.calls.nbytes)
@@ -563,7 +563,7 @@ class SandboxMemory:
     # -- resume ---------------------------------------------------------------------------
     def prefetch(self, *, hot: bool = True, call: int | None = None) -> ResumeStats:
         """Put back the pages the last call of kind ``call`` used (calls.note), else the last
-        phase's. Running (a call came before any compression): those of them trims dropped."""
+        phase's. Running (no compression since the last call): those of them trims dropped."""
         st, t0 = ResumeStats(), time.perf_counter()
         with self._lock:
             predicted = self.calls.predict(call)
@@ -571,7 +571,8 @@ class SandboxMemory:
             if hot and self.compressed:
                 want = np.intersect1d(self.hot_idx if predicted is None else predicted, self.store.stored_pages(self.name))
             elif hot and predicted is not None and self.registered and self.name in self.store.sandboxes():
-                want = np.setdiff1d(np.intersect1d(predicted, self.store.stored_pages(self.name)), self.scan.index())
+                want = np.intersect1d(self.calls.trimmed(predicted), self.store.stored_pages(self.name))
+                want = np.setdiff1d(want, self.scan.index())
                 self.cold.note_back(want)
             if len(want):    # a page the guest faulted in meanwhile is skipped (EEXIST)
                 with Prefetcher(self.handle.uffd) as pf:
