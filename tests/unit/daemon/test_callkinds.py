@@ -148,3 +148,13 @@ def test_a_book_keeps_its_most_recent_kinds() -> None:
     assert book.look_up(None, command_words(["git status"])) is not None
     assert book.look_up("git", command_words(["git status"])) is None     # a named kind is its name
     assert book.nbytes == sum(len(command_words([c])) * 8 + 12 for c in ("pytest tests", "git status"))
+
+
+def test_only_pages_trims_dropped_in_this_phase_are_refilled() -> None:
+    kinds = CallKinds(PAGES)
+    kinds.note(_sh("python3 walk_heap.py"))
+    kinds.note_trimmed(np.array([7, 3, 50]))
+    kinds.note_trimmed(np.array([3, 9]))
+    np.testing.assert_array_equal(kinds.trimmed(np.arange(0, 10)), [3, 7, 9])
+    kinds.end_phase(np.arange(10), fresh=np.empty(0, dtype=np.int64))    # a compression: a new phase
+    assert len(kinds.trimmed(np.arange(0, 100))) == 0
