@@ -570,9 +570,9 @@ class SandboxMemory:
             want = np.empty(0, dtype=np.int64)
             if hot and self.compressed:
                 want = np.intersect1d(self.hot_idx if predicted is None else predicted, self.store.stored_pages(self.name))
-            elif hot and predicted is not None and self.registered and self.name in self.store.sandboxes():
-                want = np.intersect1d(self.calls.trimmed(predicted), self.store.stored_pages(self.name))
-                want = np.setdiff1d(want, self.scan.index())
+            elif hot and predicted is not None and self.registered and len(want := self.calls.trimmed(predicted)):
+                # Only then the store's index and the pagemap (most calls find nothing trimmed).
+                want = np.setdiff1d(np.intersect1d(want, self.store.stored_pages(self.name)), self.scan.index())
                 self.cold.note_back(want)
             if len(want):    # a page the guest faulted in meanwhile is skipped (EEXIST)
                 with Prefetcher(self.handle.uffd) as pf:
