@@ -20,6 +20,14 @@ kind; until one of its phases ends, its resume brings back what a sibling's last
 that kind used (``KindBook``: sandboxes of one sharing domain are clones of one template, so
 their heaps and page caches sit at the same addresses), or else the last phase's set.
 Predictions only: a page left out faults in, one too many is dropped by the next trim.
+
+A prediction is not always worth placing. A prefetched page the call does not touch is held
+until a trim finds it cold; one it does touch saves a fault (~100 us of guest stall here). For
+a kind whose last call ran long, the faults its whole set could save are a small share of the
+call, while every unused page is held for much of it: such a resume places nothing and the
+call's pages come on first touch (``prefetch_pays``). long-tools at 8 sandboxes (15 s calls):
+without any prefetch owned memory fell from 351 to 272 MiB and the median call rose 6%
+(docs/figures.md, session 19).
 """
 
 from __future__ import annotations
@@ -37,6 +45,10 @@ MAX_KINDS = 8                 # per sandbox, least recently used first out
 MAX_BOOK_KINDS = 16           # per sharing domain
 MAX_WORDS = 512               # words kept per kind (a command's first ones)
 STDIN_WORDS_BYTES = 4096      # code sent on stdin (`python3 -`) says the kind as well
+# A fault's stall as the guest sees it (azq bench restore: 61-99 us median on this host), and
+# the share of a call that faults in place of a prefetch may cost before the prefetch pays.
+FAULT_STALL_S = 100e-6
+PREFETCH_SKIP_SHARE = 0.10
 WORD_RE = re.compile(r"[A-Za-z_][A-Za-z_]{1,}")
 SHELLS = frozenset({"sh", "bash", "dash", "ash", "zsh", "busybox"})
 SHELL_SCRIPT_FLAG_RE = re.compile(r"^-[a-z]*c$")      # -c, -lc, -ec
@@ -55,6 +67,13 @@ def command_words(argv: list[str], stdin: bytes | None = None) -> np.ndarray:
     return np.unique(np.array(hashes, dtype=np.uint64))
 
 
+def prefetch_pays(pages: int, call_s: float | None) -> bool:
+    """Whether placing ``pages`` before a call that is expected to run ``call_s`` (None:
+    unknown) pays: the faults they could save stall the guest for more than
+    PREFETCH_SKIP_SHARE of the call."""
+    return call_s is None or pages * FAULT_STALL_S > PREFETCH_SKIP_SHARE * call_s
+
+
 def jaccard(a: np.ndarray, b: np.ndarray) -> float:
     """Overlap of two sorted word sets (1.0 for two empty ones)."""
     common = len(np.intersect1d(a, b, assume_unique=True))
@@ -68,6 +87,7 @@ class _Kind:
     words: np.ndarray
     used_at: int                  # the call counter when last seen (for eviction)
     pages: np.ndarray | None = None   # its last phase's working set (_pack)
+    call_s: float | None = None       # how long its last call ran (s; None: none ended yet)
 
 
 def _best_match(kinds: dict[int, _Kind], words: np.ndarray, name: str | None) -> int | None:
@@ -154,6 +174,19 @@ class CallKinds:
             self._kinds[kid].used_at = self._calls
             self._phase.add(kid)
             return kid
+
+    def note_end(self, kid: int | None, call_s: float) -> None:
+        """A call of kind ``kid`` ran for ``call_s`` (the next one is expected to run as long)."""
+        with self._lock:
+            k = self._kinds.get(kid) if kid is not None else None
+            if k is not None:
+                k.call_s = float(call_s)
+
+    def call_s(self, kid: int | None) -> float | None:
+        """How long the last call of this kind ran; None when unknown."""
+        with self._lock:
+            k = self._kinds.get(kid) if kid is not None else None
+            return None if k is None else k.call_s
 
     def predict(self, kid: int | None) -> np.ndarray | None:
         """Pages a call of this kind is expected to touch (sorted): what its last phase here

@@ -143,7 +143,7 @@ class Lifecycle:
                                           fill=fills.get(mode, lazy_fill), repo=reg.sandboxes, env=env,
                                           ram_backing="file-private" if mode == "cow" else "memfd",
                                           policy=pol.name, grace_s=float(grace_s),
-                                          ksm_merge=pol.linux_reclaim)
+                                          ksm_merge=pol.ksm)
                     reg.sched[n] = SchedState(pol, grace_s=float(grace_s))
                     slot.to(State.RUNNING)
                     rec.state = State.RUNNING.value
@@ -294,8 +294,10 @@ class Lifecycle:
             agent = GuestAgent(name, dom.agent_command)
             mem = self.memory.get(name)
             before = mem.call_counters() if mem is not None else (0, 0, 0.0)
+            t_run = time.monotonic()
             res = agent.exec(argv, timeout_s=float(timeout_s), stdin=stdin, on_output=on_output,  # streamed if given
                              exit_wait=lambda pid, t: self.reg.exits.wait_exit(name, pid, t))
+            self.memory.note_call_end(name, call, time.monotonic() - t_run)
             after = mem.call_counters() if mem is not None else before
             faults, store_faults, trim_s = (after[0] - before[0], after[1] - before[1], after[2] - before[2])
         finally:
@@ -390,8 +392,9 @@ class Lifecycle:
                     st = mem.trim(stop=self.memory.stop_test(name, ticket))
             finally:
                 dom.resume()
-            log.debug("%s: trimmed %d of %d copies in %.1f ms (paused)", name, st.dropped_pages,
-                      st.resident_pages, st.total_s * 1e3)
+            log.debug("%s: trimmed %d of %d copies (%d encoded, cold after %.0f s, %.0f%% came back) in %.1f ms"
+                      " (paused)", name, st.dropped_pages, st.resident_pages, st.encoded_pages, st.cold_after_s,
+                      100 * mem.cold.last_refault, st.total_s * 1e3)
             return asdict(st)
 
     def compress(self, name: str) -> dict[str, Any]:

@@ -57,6 +57,7 @@ class TrimStats:
 @dataclass
 class ResumeStats:
     prefetched_pages: int = 0
+    left_pages: int = 0        # predicted but left to first touch: the call runs long (callkinds.prefetch_pays)
     prefetch_s: float = 0.0
     prefetch_mib_s: float = 0.0
     decode_s: float = 0.0      # pages decoded from the store (overlaps copy_s: pipelined)

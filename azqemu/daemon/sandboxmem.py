@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from azqemu.daemon.callkinds import CallKinds
+from azqemu.daemon.callkinds import CallKinds, prefetch_pays
 from azqemu.daemon.coldrule import ColdRule, CopyHistory
 from azqemu.daemon.cpubudget import CpuBudget
 from azqemu.daemon.memstats import CompressCancelled, CompressStats, ResumeStats, TrimStats, memory_stats
@@ -151,19 +151,15 @@ class SandboxMemory:
         self.hot_idx = np.empty(0, dtype=np.int64)
         self._prefetched_idx = np.empty(0, dtype=np.int64)
         self.calls = CallKinds(pages)      # the hot set per kind of tool call
-        # Written copies seen by the last trim and the hash each had then (sorted by page):
-        # a copy whose hash has not moved since is cold for writing (Trim's second part).
-        # Pages the last trim found incompressible (RAW, left resident) are not encoded again
-        # while their hash stays.
+        # Written copies the last trim saw, with their hashes (a copy whose hash has not moved
+        # is cold for writing) and whether they were incompressible (not tried again).
         self._history = CopyHistory()
         self._resumed_at = 0.0                              # monotonic s of the last prefetch
         self.cold = ColdRule()
         self._trimmed_at = 0.0                              # monotonic s of the last trim
         self.last_compress = CompressStats()
         self.last_resume = ResumeStats()
-        self.compress_s_total = 0.0
-        self.restore_s_total = 0.0
-        self.trim_s_total = 0.0
+        self.compress_s_total = self.restore_s_total = self.trim_s_total = 0.0
 
     # -- life cycle ---------------------------------------------------------------------
     def attach(self) -> None:
@@ -563,7 +559,7 @@ class SandboxMemory:
     # -- resume ---------------------------------------------------------------------------
     def prefetch(self, *, hot: bool = True, call: int | None = None) -> ResumeStats:
         """Put back the pages the last call of kind ``call`` used (calls.note), else the last
-        phase's. Running (no compression since the last call): those of them trims dropped."""
+        phase's; running: those of them trims dropped. None for a long call (prefetch_pays)."""
         st, t0 = ResumeStats(), time.perf_counter()
         with self._lock:
             predicted = self.calls.predict(call)
@@ -573,8 +569,11 @@ class SandboxMemory:
             elif hot and predicted is not None and self.registered and len(want := self.calls.trimmed(predicted)):
                 # Only then the store's index and the pagemap (most calls find nothing trimmed).
                 want = np.setdiff1d(np.intersect1d(want, self.store.stored_pages(self.name)), self.scan.index())
-                self.cold.note_back(want)
+            if len(want) and not prefetch_pays(len(want), self.calls.call_s(call)):
+                st.left_pages, want = len(want), want[:0]     # a long call: first touch serves them
             if len(want):    # a page the guest faulted in meanwhile is skipped (EEXIST)
+                if not self.compressed:
+                    self.cold.note_back(want)
                 with Prefetcher(self.handle.uffd) as pf:
                     r = pf.prefetch(self.block, want, self.sources)
                 self._prefetched_idx = np.union1d(self._prefetched_idx, want)

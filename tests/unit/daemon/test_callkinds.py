@@ -10,7 +10,16 @@ import numpy as np
 import pytest
 
 from azqemu.bench import workload
-from azqemu.daemon.callkinds import MAX_WORDS, CallKinds, KindBook, command_words, jaccard
+from azqemu.daemon.callkinds import (
+    FAULT_STALL_S,
+    MAX_WORDS,
+    PREFETCH_SKIP_SHARE,
+    CallKinds,
+    KindBook,
+    command_words,
+    jaccard,
+    prefetch_pays,
+)
 
 PAGES = 4096
 
@@ -158,3 +167,21 @@ def test_only_pages_trims_dropped_in_this_phase_are_refilled() -> None:
     np.testing.assert_array_equal(kinds.trimmed(np.arange(0, 10)), [3, 7, 9])
     kinds.end_phase(np.arange(10), fresh=np.empty(0, dtype=np.int64))    # a compression: a new phase
     assert len(kinds.trimmed(np.arange(0, 100))) == 0
+
+
+def test_a_kind_that_runs_long_gets_no_prefetch() -> None:
+    """The faults a prediction would save weighed against the call it precedes: an unknown
+    length prefetches; 1,000 pages (~0.1 s of faults) pay before a 0.5 s call, not a 30 s one."""
+    kinds = CallKinds(PAGES)
+    kid = kinds.note(_sh("python3 -m compileall -q /usr/lib/python3.11/json"))
+    assert kinds.call_s(kid) is None and prefetch_pays(1000, kinds.call_s(kid))
+    kinds.note_end(kid, 30.0)
+    assert kinds.call_s(kinds.note(_sh("python3 -m compileall -q /usr/lib/python3.11/email"))) == 30.0
+    assert not prefetch_pays(1000, kinds.call_s(kid))
+    assert prefetch_pays(1000, 0.5)
+    kinds.note_end(None, 1.0)                       # a call the manager does not serve: nothing noted
+    assert kinds.call_s(None) is None
+    # The boundary: the faults stall for exactly the share of the call.
+    pages = 5000
+    at = pages * FAULT_STALL_S / PREFETCH_SKIP_SHARE
+    assert prefetch_pays(pages, 0.99 * at) and not prefetch_pays(pages, 1.01 * at)
