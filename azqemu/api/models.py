@@ -277,6 +277,8 @@ class Event(Response):
     resident_pages: int | None = Field(None, description="compress: the pages it held when it began")
     prefetched_pages: int | None = None
     prefetched_bytes: int | None = Field(None, description="resume: the hot set copied back before the vCPUs")
+    left_pages: int | None = Field(None, description="resume: pages predicted but left to first touch (the "
+                                                     "call's kind runs long)")
     reason: str | None = Field(None, description="failed, and a compress or resume that failed: why")
     state: str | None = Field(None, description="failed, destroyed: the state it was in")
     template: str | None = Field(None, description="created: of which template")

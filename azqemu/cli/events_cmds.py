@@ -25,6 +25,8 @@ def _figures(e: Event) -> str:
         parts.append(f"{e.stored_pages} pages")
     if e.prefetched_bytes is not None:
         parts.append(f"prefetched {fmt_bytes(e.prefetched_bytes)}")
+    if e.left_pages:
+        parts.append(f"{e.left_pages} pages left to first touch")
     if e.duration_s is not None:
         parts.append(f"{e.duration_s:.3f} s")
     if e.reason is not None and e.reason != e.detail:

@@ -403,7 +403,7 @@ class MemoryService:
         durations.RESTORE_SECONDS.observe(st.total_s)
         # Its vCPUs continue next (the lifecycle's part): libvirt's own "resumed" event.
         self.publish(name, "resume", "done", duration_s=round(st.total_s, 6), prefetched_pages=st.prefetched_pages,
-                     prefetched_bytes=st.prefetched_pages * PAGE_SIZE)
+                     prefetched_bytes=st.prefetched_pages * PAGE_SIZE, left_pages=st.left_pages)
         self.restore_count[name] = self.restore_count.get(name, 0) + 1
         return {"prefetched_pages": st.prefetched_pages, "prefetch_s": st.prefetch_s,
                 "prefetch_mib_s": st.prefetch_mib_s}

@@ -215,8 +215,8 @@ def test_memory_publishes_compress_and_resume_and_their_failures(memory: MemoryS
     done, resumed, c_failed, r_failed = log.events()
     assert (done["event"], done["detail"], done["stored_bytes"], done["stored_pages"], done["resident_pages"],
             done["duration_s"]) == ("compress", "done", 12345, 60, 100, 0.25)
-    assert (resumed["event"], resumed["detail"], resumed["prefetched_pages"], resumed["prefetched_bytes"]) == (
-        "resume", "done", 10, 10 * PAGE_SIZE)
+    assert (resumed["event"], resumed["detail"], resumed["prefetched_pages"], resumed["prefetched_bytes"],
+            resumed["left_pages"]) == ("resume", "done", 10, 10 * PAGE_SIZE, 0)
     assert (c_failed["event"], c_failed["detail"]) == ("compress", "failed")
     assert c_failed["reason"].startswith("StoreFull: ") and "duration_s" in c_failed
     assert (r_failed["event"], r_failed["detail"]) == ("resume", "failed")
