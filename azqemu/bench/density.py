@@ -211,12 +211,11 @@ def run_policy(c: Client, template: str, wl: Workload, plan: list[list[Step]], p
         idle = manager_idle or at_start
         run.extra.update(manager_idle_rss_bytes=idle["rss_bytes"], manager_idle_anon_bytes=idle["anon_bytes"],
                          manager_anon_at_start_bytes=at_start["anon_bytes"])
-        if pol.ksm:
+        if pol.linux_reclaim:
             from azqemu.host.linuxmm import LinuxConfig, wait_ksm_converged
 
-            lc = stack.enter_context(LinuxConfig(swap=pol.linux_reclaim))
-            if lc.algorithm is not None:
-                run.extra["zram_algorithm"] = lc.algorithm
+            lc = stack.enter_context(LinuxConfig())
+            run.extra["zram_algorithm"] = lc.algorithm
         progress(f"[{policy}] cloning {n} sandboxes ({pol.clone_mode})")
         t0 = time.monotonic()
         prefix = f"{BENCH_PREFIX}{policy_short(policy)}-"
@@ -230,7 +229,7 @@ def run_policy(c: Client, template: str, wl: Workload, plan: list[list[Step]], p
         run.extra["clone_s_total"] = time.monotonic() - t0
         if pol.pressure:
             c.set_policy(names, policy, pressure_budget_bytes=pressure_budget_bytes or 0)
-        if pol.ksm:
+        if pol.linux_reclaim:
             kc = wait_ksm_converged(timeout_s=KSM_CONVERGE_TIMEOUT_S)
             run.extra["ksm_converge_s"] = getattr(kc, "elapsed_s", None)
         sampler = _Sampler(c, names, baseline)

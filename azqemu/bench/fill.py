@@ -173,10 +173,10 @@ def fill_policy(c: Client, template: str, wl: Workload, policy: str, budget_byte
     players: list[threading.Thread] = []
     prefix = f"{FILL_PREFIX}{policy_short(policy)}-"
     with ExitStack() as stack:
-        if pol.ksm:
+        if pol.linux_reclaim:
             from azqemu.host.linuxmm import LinuxConfig
 
-            stack.enter_context(LinuxConfig(swap=pol.linux_reclaim))
+            stack.enter_context(LinuxConfig())
         daemon_pid = c.ping().pid
         cg = stack.enter_context(MemoryCgroup(f"azq-fill-{os.getpid()}", budget_bytes))
         shield = _OomShield(daemon_pid)

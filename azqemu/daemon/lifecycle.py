@@ -143,7 +143,7 @@ class Lifecycle:
                                           fill=fills.get(mode, lazy_fill), repo=reg.sandboxes, env=env,
                                           ram_backing="file-private" if mode == "cow" else "memfd",
                                           policy=pol.name, grace_s=float(grace_s),
-                                          ksm_merge=pol.ksm)
+                                          ksm_merge=pol.linux_reclaim)
                     reg.sched[n] = SchedState(pol, grace_s=float(grace_s))
                     slot.to(State.RUNNING)
                     rec.state = State.RUNNING.value

@@ -283,9 +283,7 @@ class LinuxConfig:
 
     def __init__(self, *, zram_disksize_bytes: int | None = None, zram_algorithm: str | None = None,
                  ksm_pages_to_scan: int = KSM_PAGES_TO_SCAN, ksm_sleep_ms: int = KSM_SLEEP_MS,
-                 swappiness: int = SWAPPINESS, record_dir: Path = RECORD_DIR, swap: bool = True) -> None:
-        # swap=False: KSM alone (the agentzip-ksm policy: no zram, no swap sysctls touched).
-        self.swap = swap
+                 swappiness: int = SWAPPINESS, record_dir: Path = RECORD_DIR) -> None:
         self.zram_disksize_bytes = zram_disksize_bytes
         self.zram_algorithm = zram_algorithm
         self.ksm_pages_to_scan = ksm_pages_to_scan
@@ -348,9 +346,8 @@ class LinuxConfig:
             self.before = HostSnapshot.take()
             self._rec = _Record(before=asdict(self.before))
             self._save()
-            if self.swap:
-                self._setup_sysctl()
-                self._setup_zram()
+            self._setup_sysctl()
+            self._setup_zram()
             self._setup_ksm()
         except BaseException:
             try:

@@ -11,7 +11,6 @@
 | agentzip-no-sibling | copy-on-write   | as agentzip, template-relative only (no DUP/SDELTA bases of siblings) |
 | agentzip-no-trim    | copy-on-write   | as agentzip, but a long tool call keeps all it holds (ablation) |
 | agentzip-steady-trims | copy-on-write | as agentzip, but trims that drop little do not slow down (ablation) |
-| agentzip-ksm        | copy-on-write   | as agentzip, with KSM merging the running sandboxes' pages too |
 | agentzip-pressure   | copy-on-write   | phase-unaware: compress (and run on, lazily) the largest  |
 |                     |                 | sandboxes whenever their memory crosses a budget          |
 
@@ -59,8 +58,6 @@ class Policy:
     prefetch: bool = True
     use_siblings: bool = True
     linux_reclaim: bool = False
-    # Guest RAM MADV_MERGEABLE (QEMU's mem-merge) and KSM running on the host while it runs.
-    ksm: bool = False
     pressure: bool = False
     trim_in_tool: bool = False
     # A trim that dropped little makes the next wait longer (daemon/coldrule.py, pace_s).
@@ -75,13 +72,12 @@ POLICIES: dict[str, Policy] = {p.name: p for p in (
     Policy("manual", "lazy"),
     Policy("none", "eager"),
     Policy("none-cow", "cow"),
-    Policy("linux", "cow", linux_reclaim=True, ksm=True),
+    Policy("linux", "cow", linux_reclaim=True),
     Policy("agentzip", "cow", compress_on_wait=True, trim_in_tool=True),
     Policy("agentzip-no-prefetch", "cow", compress_on_wait=True, prefetch=False, trim_in_tool=True),
     Policy("agentzip-no-sibling", "cow", compress_on_wait=True, use_siblings=False, trim_in_tool=True),
     Policy("agentzip-no-trim", "cow", compress_on_wait=True),
     Policy("agentzip-steady-trims", "cow", compress_on_wait=True, trim_in_tool=True, trim_backoff=False),
-    Policy("agentzip-ksm", "cow", compress_on_wait=True, trim_in_tool=True, ksm=True),
     Policy("agentzip-pressure", "cow", pressure=True, prefetch=False),
 )}
 

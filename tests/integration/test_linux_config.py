@@ -131,22 +131,6 @@ def test_setup_and_teardown_restore_the_host_exactly(host_before: HostSnapshot) 
     assert not cfg.record_path.exists()
 
 
-def test_ksm_alone_leaves_swap_and_sysctls_untouched(host_before: HostSnapshot) -> None:
-    """swap=False (the agentzip-ksm policy): KSM runs tuned, no zram device, no swap sysctl
-    changed; teardown restores KSM exactly."""
-    before = HostSnapshot.take()
-    swaps_before = linuxmm.read_swaps()
-    with LinuxConfig(swap=False) as cfg:
-        during = HostSnapshot.take()
-        assert cfg.zram_device is None and cfg.algorithm is None
-        assert linuxmm.read_swaps() == swaps_before
-        assert during.zram == before.zram and during.sysctl == before.sysctl and during.zswap == before.zswap
-        assert during.ksm["run"] == "1" and during.ksm["use_zero_pages"] == "1"
-        assert during.ksm["pages_to_scan"] == str(linuxmm.KSM_PAGES_TO_SCAN)
-    assert before.diff(HostSnapshot.take()) == []
-    assert not cfg.record_path.exists()
-
-
 def test_recover_after_a_crash(host_before: HostSnapshot, tmp_path: Path) -> None:
     """A process that set up and died (SIGKILL) leaves a record; recover() restores the host."""
     script = textwrap.dedent(f"""
