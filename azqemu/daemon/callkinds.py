@@ -23,9 +23,9 @@ Predictions only: a page left out faults in, one too many is dropped by the next
 
 A prediction is not always worth placing. A prefetched page the call does not touch is held
 until a trim finds it cold; one it does touch saves a fault (~100 us of guest stall here). For
-a kind whose last call ran long, the faults its whole set could save are a small share of the
-call, while every unused page is held for much of it: such a resume places nothing and the
-call's pages come on first touch (``prefetch_pays``). long-tools at 8 sandboxes (15 s calls):
+a kind whose last call ran long (5 s and more), when the faults its whole set could save are
+under a tenth of the call while every unused page is held for much of it, such a resume places
+nothing and the call's pages come on first touch (``prefetch_pays``). long-tools at 8 sandboxes (15 s calls):
 without any prefetch owned memory fell from 351 to 272 MiB and the median call rose 6%
 (docs/figures.md, session 19).
 """
@@ -49,6 +49,9 @@ STDIN_WORDS_BYTES = 4096      # code sent on stdin (`python3 -`) says the kind a
 # the share of a call that faults in place of a prefetch may cost before the prefetch pays.
 FAULT_STALL_S = 100e-6
 PREFETCH_SKIP_SHARE = 0.10
+# Shorter calls keep their prefetch whatever its size: what they hold unused is held only that
+# long (the next wait compresses it), while their faults are a direct share of their latency.
+PREFETCH_SKIP_MIN_S = 5.0
 WORD_RE = re.compile(r"[A-Za-z_][A-Za-z_]{1,}")
 SHELLS = frozenset({"sh", "bash", "dash", "ash", "zsh", "busybox"})
 SHELL_SCRIPT_FLAG_RE = re.compile(r"^-[a-z]*c$")      # -c, -lc, -ec
@@ -69,9 +72,10 @@ def command_words(argv: list[str], stdin: bytes | None = None) -> np.ndarray:
 
 def prefetch_pays(pages: int, call_s: float | None) -> bool:
     """Whether placing ``pages`` before a call that is expected to run ``call_s`` (None:
-    unknown) pays: the faults they could save stall the guest for more than
-    PREFETCH_SKIP_SHARE of the call."""
-    return call_s is None or pages * FAULT_STALL_S > PREFETCH_SKIP_SHARE * call_s
+    unknown) pays: the call is short (PREFETCH_SKIP_MIN_S), or the faults the pages could save
+    stall the guest for more than PREFETCH_SKIP_SHARE of it."""
+    return (call_s is None or call_s < PREFETCH_SKIP_MIN_S
+            or pages * FAULT_STALL_S > PREFETCH_SKIP_SHARE * call_s)
 
 
 def jaccard(a: np.ndarray, b: np.ndarray) -> float:

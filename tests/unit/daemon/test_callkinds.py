@@ -13,6 +13,7 @@ from azqemu.bench import workload
 from azqemu.daemon.callkinds import (
     FAULT_STALL_S,
     MAX_WORDS,
+    PREFETCH_SKIP_MIN_S,
     PREFETCH_SKIP_SHARE,
     CallKinds,
     KindBook,
@@ -171,17 +172,19 @@ def test_only_pages_trims_dropped_in_this_phase_are_refilled() -> None:
 
 def test_a_kind_that_runs_long_gets_no_prefetch() -> None:
     """The faults a prediction would save weighed against the call it precedes: an unknown
-    length prefetches; 1,000 pages (~0.1 s of faults) pay before a 0.5 s call, not a 30 s one."""
+    length prefetches; 1,000 pages (~0.1 s of faults) pay before a 0.5 s call (a short call
+    always keeps its prefetch), not before a 30 s one."""
     kinds = CallKinds(PAGES)
     kid = kinds.note(_sh("python3 -m compileall -q /usr/lib/python3.11/json"))
     assert kinds.call_s(kid) is None and prefetch_pays(1000, kinds.call_s(kid))
     kinds.note_end(kid, 30.0)
     assert kinds.call_s(kinds.note(_sh("python3 -m compileall -q /usr/lib/python3.11/email"))) == 30.0
     assert not prefetch_pays(1000, kinds.call_s(kid))
-    assert prefetch_pays(1000, 0.5)
+    assert prefetch_pays(1000, 0.5) and prefetch_pays(10, 4.0)     # a short call keeps its prefetch
     kinds.note_end(None, 1.0)                       # a call the manager does not serve: nothing noted
     assert kinds.call_s(None) is None
     # The boundary: the faults stall for exactly the share of the call.
-    pages = 5000
+    pages = 10000
     at = pages * FAULT_STALL_S / PREFETCH_SKIP_SHARE
+    assert at > PREFETCH_SKIP_MIN_S
     assert prefetch_pays(pages, 0.99 * at) and not prefetch_pays(pages, 1.01 * at)
