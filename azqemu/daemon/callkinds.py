@@ -25,9 +25,9 @@ A prediction is not always worth placing. A prefetched page the call does not to
 until a trim finds it cold; one it does touch saves a fault (~100 us of guest stall here). For
 a kind whose last call ran long (5 s and more), when the faults its whole set could save are
 under a tenth of the call while every unused page is held for much of it, such a resume places
-nothing and the call's pages come on first touch (``prefetch_pays``). long-tools at 8 sandboxes (15 s calls):
-without any prefetch owned memory fell from 351 to 272 MiB and the median call rose 6%
-(docs/figures.md, session 19).
+nothing and the call's pages come on first touch (``prefetch_pays``). On long-tools at 8
+sandboxes (15 s calls) agentzip's owned memory went from 1.03x linux's to 0.87x, its median
+tool call from 1.05x linux's to 1.12x (docs/figures.md, session 19).
 """
 
 from __future__ import annotations
