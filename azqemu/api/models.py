@@ -204,7 +204,9 @@ class TrimResult(Response):
     dropped_pages: int = 0
     encoded_pages: int = 0
     stored_pages: int = 0
+    changed_pages: int = Field(0, description="Pages to drop that the guest wrote while the trim ran beside it: kept")
     encode_s: float = 0.0
+    paused_s: float = Field(0.0, description="Time the vCPUs were paused (the check and the drop)")
     total_s: float = 0.0
 
 

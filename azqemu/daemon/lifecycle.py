@@ -373,9 +373,10 @@ class Lifecycle:
         return out
 
     def trim(self, name: str) -> dict[str, Any] | None:
-        """Drop the copies a running sandbox holds that still equal their stored entries
-        (SandboxMemory.trim), its vCPUs paused for the scan; None when there is nothing to
-        trim (never compressed, compressed now, or not running)."""
+        """Drop the copies a running sandbox holds that still equal their stored entries, or
+        that it left alone long enough to encode (SandboxMemory.trim): scanned and encoded
+        beside the guest, its vCPUs paused only to check and drop; None when there is nothing
+        to trim (never compressed, compressed now, or not running)."""
         with self._locked(name, "trim") as slot:
             ticket = self.memory.cancel_ticket(name)    # before the checks (MemoryService.cancel_ticket)
             mem = self.memory.get(name)
@@ -385,16 +386,21 @@ class Lifecycle:
             dom = self.reg.domain(name)
             if dom.state() != "running":
                 return None
-            dom.suspend()
-            try:
-                # The guest is paused in its tool call until this returns: run above the guests.
-                with threads.at_nice(threads.PAUSED_GUEST_NICE):
-                    st = mem.trim(stop=self.memory.stop_test(name, ticket))
-            finally:
-                dom.resume()
-            log.debug("%s: trimmed %d of %d copies (%d encoded, cold after %.0f s, %.0f%% came back) in %.1f ms"
-                      " (paused)", name, st.dropped_pages, st.resident_pages, st.encoded_pages, st.cold_after_s,
-                      100 * mem.cold.last_refault, st.total_s * 1e3)
+
+            @contextlib.contextmanager
+            def paused() -> Iterator[None]:
+                dom.suspend()
+                try:
+                    # The guest waits in its tool call until this returns: run above the guests.
+                    with threads.at_nice(threads.PAUSED_GUEST_NICE):
+                        yield
+                finally:
+                    dom.resume()
+            st = mem.trim(stop=self.memory.stop_test(name, ticket), paused=paused)
+            log.debug("%s: trimmed %d of %d copies (%d encoded, %d written meanwhile, cold after %.0f s,"
+                      " %.0f%% came back) in %.1f ms, %.1f ms paused", name, st.dropped_pages, st.resident_pages,
+                      st.encoded_pages, st.changed_pages, st.cold_after_s, 100 * mem.cold.last_refault,
+                      st.total_s * 1e3, st.paused_s * 1e3)
             return asdict(st)
 
     def compress(self, name: str) -> dict[str, Any]:

@@ -50,8 +50,10 @@ class TrimStats:
     dropped_pages: int = 0     # of which dropped (equal to their entries, or encoded now)
     encoded_pages: int = 0     # written, hash unchanged for cold_after_s: encoded
     stored_pages: int = 0      # of those, now in the store (the rest mapped, or RAW and kept)
-    encode_s: float = 0.0      # hashing and encoding (inside total_s)
-    total_s: float = 0.0       # vCPUs paused for this long (plus the pause/resume calls)
+    changed_pages: int = 0     # to drop, but written while the trim ran beside the guest: kept
+    encode_s: float = 0.0      # hashing and encoding, beside the guest (inside total_s)
+    paused_s: float = 0.0      # vCPUs paused: the check and the drop (plus the pause/resume calls)
+    total_s: float = 0.0
 
 
 @dataclass

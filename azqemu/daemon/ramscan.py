@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from azqemu.host.pagemap import private_pages, read_pages
+from azqemu.memory.pagehash import page_hashes
 from azqemu.memory.ram import read_file_pages, resident_page_index
 from azqemu.pages import PAGE_SIZE, Scratch, scratch_rows, take_rows
 
@@ -62,6 +63,20 @@ class RamScan:
                 yield part, read_pages(self.pid, self.hva, part, out)
             else:
                 yield part, read_file_pages(self.ram_fd, part)
+
+    def unchanged(self, idx: np.ndarray, key: np.ndarray, check: np.ndarray,
+                  scratch: Scratch | None = None) -> np.ndarray:
+        """Whether each page of ``idx`` still hashes (XXH3-128) to its ``key`` and ``check``:
+        read again, so that pages classified while the guest ran are dropped only if the guest
+        (paused now) did not write them since."""
+        same = np.zeros(len(idx), dtype=bool)
+        at = 0
+        for part, pages in self.chunks(idx, scratch):
+            k, c = page_hashes(pages)
+            rows = slice(at, at + len(part))
+            same[rows] = (k == key[rows]) & (c == check[rows])
+            at += len(part)
+        return same
 
     def resident_bytes(self) -> int:
         """Guest RAM held for this sandbox alone."""

@@ -38,6 +38,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from pathlib import Path
 
@@ -374,34 +375,27 @@ class SandboxMemory:
         return (self.cow and not self.compressed
                 and time.monotonic() - self._trimmed_at >= max(every_s, self.cold.trim_gap_s(backoff)))
 
-    def trim(self, stop: Callable[[], bool] | None = None) -> TrimStats:
+    def trim(self, stop: Callable[[], bool] | None = None,
+             paused: Callable[[], AbstractContextManager[object]] = nullcontext) -> TrimStats:
         """``_trim``, then its freed buffers go back to the kernel, the template pages it read are forgotten."""
-        t0 = time.perf_counter()
-        st = self._trim(stop)
+        st = self._trim(stop, paused)
         if st.resident_pages:
             self.template.drop_mapped()
             selfmem.trim_heap()
-        self.trim_s_total += time.perf_counter() - t0    # the vCPUs are paused all along
+        self.trim_s_total += st.paused_s
         return st
 
-    def _trim(self, stop: Callable[[], bool] | None = None) -> TrimStats:
+    def _trim(self, stop: Callable[[], bool] | None,
+              paused: Callable[[], AbstractContextManager[object]]) -> TrimStats:
         """Copy-on-write, in a tool call: drop the copies the guest is not using, so that a
-        long tool call holds what it works on, not everything the sandbox ever had. Two kinds
-        go, neither touched by a fault since the last compression (a page that faulted back is
-        in use: dropping it again would only make it fault at every trim):
-
-        - copies still equal to their stored entries (put back by the last resume, not
-          written since): dropped, the entries serve them on their next touch. Nothing to
-          encode or commit: a durable generation names them already;
-        - copies the guest wrote whose hash has not moved across trims (cold for writing: a
-          build tree, a log, a heap the tool left behind): encoded, committed durable, then
-          dropped, exactly as a compression does; incompressible ones stay.
-
-        Both left alone for ``self.cold.after_s`` at least (since the resume, or with the same
-        hash). There is no access tracking in this kernel (no idle-page bits), so whether a
-        dropped page is still read is learned by its fault: it comes back once and stays for
-        the rest of the phase, and the share that comes back adapts the rule (coldrule.py).
-        The caller pauses the vCPUs: a page written between the scan and the drop would be lost."""
+        long tool call holds what it works on (docs/policies.md, on trims). Two kinds go, neither
+        faulted back since the last compression (a page that did is in use): copies still
+        equal to their stored entries, and written copies whose hash has not moved across
+        trims (encoded and committed durable first; incompressible ones stay). Both left alone
+        for ``self.cold.after_s`` at least; the share of dropped pages that fault back adapts
+        it (coldrule.py). Scan, hashing, encoding and commit run beside the guest; only the
+        drop runs in ``paused()``, and only of copies that still hash as they were read (one
+        written meanwhile stays: its entry, if any, is never served while it is resident)."""
         st, t0 = TrimStats(), time.perf_counter()
         with self._lock:
             # A cancel left over from the last resume must not stop this one; a destroy or a
@@ -419,6 +413,7 @@ class SandboxMemory:
             cold_after_s = st.cold_after_s = self.cold.judge(faulted)
             prefetch_cold = now - self._resumed_at >= cold_after_s
             key = np.zeros(len(idx), dtype=np.uint64)   # a cancel may leave rows unhashed
+            check = np.zeros(len(idx), dtype=np.uint64)
             since = np.full(len(idx), now)
             raw = np.zeros(len(idx), dtype=bool)
             same_parts: list[np.ndarray] = []
@@ -432,14 +427,13 @@ class SandboxMemory:
                 for part, pages in self.scan.chunks(idx, scratch):
                     rows = slice(at, at + len(part))
                     at += len(part)
-                    k, check = page_hashes(pages)
-                    key[rows] = k
+                    key[rows], check[rows] = page_hashes(pages)
                     in_use = in_sorted(part, faulted)
-                    same = self.store.entries_match(self.name, part, k, check) & ~in_use
+                    same = self.store.entries_match(self.name, part, key[rows], check[rows]) & ~in_use
                     if prefetch_cold:
                         same_parts.append(part[same])
                     # Cold for writing: the same hash since cold_after_s at least.
-                    since[rows], raw[rows] = self._history.look_up(part, k, now)
+                    since[rows], raw[rows] = self._history.look_up(part, key[rows], now)
                     cold = ~same & ~in_use & ~raw[rows] & (now - since[rows] >= cold_after_s)
                     if cold.any():
                         cold_parts.append(part[cold])
@@ -460,9 +454,16 @@ class SandboxMemory:
                 same = np.concatenate(same_parts) if same_parts else np.empty(0, dtype=np.int64)
                 self.sources.assign(same, self._store_src)
                 drop = np.union1d(same, np.setdiff1d(encoded, enc_raw))
-                self._discard_copies(drop)
-                st.dropped_pages = len(drop)
-                self._settle(free, mapped=len(free) > 0, dropped=drop, commit=False)
+                with paused():
+                    t2 = time.perf_counter()
+                    rows = np.searchsorted(idx, drop)
+                    kept_back = ~self.scan.unchanged(drop, key[rows], check[rows], scratch)
+                    st.changed_pages = int(np.count_nonzero(kept_back))
+                    drop = drop[~kept_back]
+                    self._discard_copies(drop)
+                    st.dropped_pages = len(drop)
+                    self._settle(free, mapped=len(free) > 0, dropped=drop, commit=False)
+                    st.paused_s = time.perf_counter() - t2
             except CompressCancelled:
                 # A resume or destroy asked first: nothing was dropped, every page is still
                 # resident; the store forgets what this trim encoded.
