@@ -41,7 +41,7 @@ enum { C_ZSTD = 0, C_XOR_T = 1, C_PREFIX_T = 2, C_XOR_S = 3, C_PREFIX_S = 4, C_L
 /* Decode methods: numbering of azqemu.memory.kinds.Method. */
 enum { M_ZSTD = 0, M_XOR = 1, M_PREFIX = 2, M_LZ4 = 3, M_LZ4_XOR = 4, M_PATCH = 5 };
 
-int azq_pagecodec_abi(void) { return 5; }
+int azq_pagecodec_abi(void) { return 6; }
 
 /* lz4.h (v1.9 stable API) and xxhash.h (v0.8, XXH3 stable) signatures. */
 typedef int (*lz4_compress_fn)(const char *src, char *dst, int srcSize, int dstCapacity);
@@ -85,6 +85,40 @@ static long zc(ZSTD_CCtx *c, uint8_t *dst, const uint8_t *src, const uint8_t *re
     return (long)n;
 }
 
+/* Follow-up attempts whose odds the caller sets (AttemptOdds in encoder.py), and the buckets
+ * of the best payload so far they are kept by. */
+enum { A_PLAIN = 0, A_PREFIX_AFTER_XOR = 1, A_PREFIX = 2, A_SDELTA = 3, N_ATTEMPTS = 4, N_BUCKETS = 4 };
+
+static int bucket_of(long best_len)
+{
+    return best_len <= 512 ? 0 : best_len <= 1024 ? 1 : best_len <= 2048 ? 2 : 3;
+}
+
+/* Whether to make attempt `a` now; its slot in astats, or -1 when skipped. */
+static int draw(const uint8_t *odds, uint32_t *rng, int a, long best_len)
+{
+    int slot = a * N_BUCKETS + bucket_of(best_len);
+    if (odds && odds[slot] < 255) {
+        uint32_t x = *rng;                /* xorshift32 */
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        *rng = x;
+        if ((x & 255u) >= odds[slot])
+            return -1;
+    }
+    return slot;
+}
+
+static void saved(uint64_t *astats, int slot, long before, long after)
+{
+    if (astats && slot >= 0) {
+        astats[slot * 2]++;
+        if (after < before)
+            astats[slot * 2 + 1] += (uint64_t)(before - after);
+    }
+}
+
 #define TAKE(len_, ch_) do { uint8_t *t_ = best; best = cur; cur = t_; best_len = (len_); ch = (ch_); } while (0)
 
 static long azq_encode_loop(ZSTD_CCtx *cctx, int m, const uint8_t *up, const uint8_t *tp, const uint8_t *xp,
@@ -92,7 +126,8 @@ static long azq_encode_loop(ZSTD_CCtx *cctx, int m, const uint8_t *up, const uin
                             long tiny, long gain, long small, long raw_limit, int lz4_level, void *hc_state,
                             uint8_t *buf_a, uint8_t *buf_b, uint8_t *patch_a, uint8_t *patch_b,
                             uint8_t *out, size_t out_cap, uint32_t *out_off, uint16_t *out_len, uint8_t *choice,
-                            uint64_t *tries, size_t *pos_io);
+                            uint64_t *tries, const uint8_t *odds, uint64_t *astats, uint32_t *rng,
+                            size_t *pos_io);
 
 /*
  * Encode m pages. Page i is up[i*PAGE]; tp/xp/sp/sxp hold, row for row, the same-address
@@ -100,6 +135,11 @@ static long azq_encode_loop(ZSTD_CCtx *cctx, int m, const uint8_t *up, const uin
  * the page's flags ask for them). The smallest payload is appended to out; its offset, length
  * and choice are reported (C_RAW with length 0 when even the best exceeds raw_limit).
  * tries[0..5] count zstd, xor, prefix, sdelta, lz4 and patch attempts.
+ * The attempts after the first payload (plain zstd after the XOR, the template prefix after
+ * the XOR or after plain zstd, the SDELTA pair) are made with the odds the caller gives for
+ * how good the best payload so far is (odds[a * 4 + bucket], out of 256; 255 or more: always,
+ * a draw of the caller-seeded xorshift *rng otherwise); astats[(a * 4 + bucket) * 2] counts
+ * those attempts and [.. + 1] the bytes they saved (encoder.py's AttemptOdds, A_* below).
  * A page with F_PATCH and an XOR flag first gets its PATCH against that reference (the
  * smaller of the two when both): at most `small` bytes, it is taken and no codec runs; else it
  * is kept if it beats what the codecs make (a page without reference by `gain` bytes).
@@ -110,7 +150,7 @@ long azq_encode_batch(ZSTD_CCtx *cctx, int m, const uint8_t *up, const uint8_t *
                       const uint8_t *sp, const uint8_t *sxp, const uint8_t *flags,
                       long tiny, long gain, long small, long raw_limit, int lz4_level,
                       uint8_t *out, size_t out_cap, uint32_t *out_off, uint16_t *out_len, uint8_t *choice,
-                      uint64_t *tries)
+                      uint64_t *tries, const uint8_t *odds, uint64_t *astats, uint32_t seed)
 {
     uint8_t buf_a[BOUND], buf_b[BOUND], patch_a[PATCH_MAX + 8], patch_b[PATCH_MAX + 8];
     size_t pos = 0;
@@ -119,9 +159,10 @@ long azq_encode_batch(ZSTD_CCtx *cctx, int m, const uint8_t *up, const uint8_t *
         if (!lz4_hc || lz4_hc_state_bytes <= 0 || !(hc_state = malloc((size_t)lz4_hc_state_bytes)))
             return -1;
     }
+    uint32_t rng = seed ? seed : 0x9e3779b9u;
     long rc = azq_encode_loop(cctx, m, up, tp, xp, sp, sxp, flags, tiny, gain, small, raw_limit, lz4_level,
                               hc_state, buf_a, buf_b, patch_a, patch_b, out, out_cap, out_off, out_len, choice,
-                              tries, &pos);
+                              tries, odds, astats, &rng, &pos);
     free(hc_state);
     return rc < 0 ? -1 : (long)pos;
 }
@@ -131,7 +172,8 @@ static long azq_encode_loop(ZSTD_CCtx *cctx, int m, const uint8_t *up, const uin
                             long tiny, long gain, long small, long raw_limit, int lz4_level, void *hc_state,
                             uint8_t *buf_a, uint8_t *buf_b, uint8_t *patch_a, uint8_t *patch_b,
                             uint8_t *out, size_t out_cap, uint32_t *out_off, uint16_t *out_len, uint8_t *choice,
-                            uint64_t *tries, size_t *pos_io)
+                            uint64_t *tries, const uint8_t *odds, uint64_t *astats, uint32_t *rng,
+                            size_t *pos_io)
 {
     size_t pos = 0;
     for (int i = 0; i < m; i++) {
@@ -196,7 +238,11 @@ static long azq_encode_loop(ZSTD_CCtx *cctx, int m, const uint8_t *up, const uin
             TAKE(n, C_XOR_T);
             limit = n;
         }
-        if (ch < C_LZ4 && (best_len < 0 || best_len > tiny)) {
+        /* Plain zstd: the first payload of a page without XOR; after the XOR, a follow-up. */
+        int slot = -1;
+        if (ch < C_LZ4 && (best_len < 0 || best_len > tiny)
+                && (best_len < 0 || (slot = draw(odds, rng, A_PLAIN, best_len)) >= 0)) {
+            long before = best_len;
             n = zc(cctx, cur, up + off, NULL);
             tries[0]++;
             if (n < 0)
@@ -205,16 +251,22 @@ static long azq_encode_loop(ZSTD_CCtx *cctx, int m, const uint8_t *up, const uin
                 TAKE(n, C_ZSTD);
                 limit = n - gain;
             }
+            saved(astats, slot, before, best_len);
         }
-        if ((f & F_PREFIX_T) && limit > small) {
+        int had_xor = ch == C_XOR_T || (f & F_XOR_T);
+        if ((f & F_PREFIX_T) && limit > small
+                && (slot = draw(odds, rng, had_xor ? A_PREFIX_AFTER_XOR : A_PREFIX, limit)) >= 0) {
+            long before = limit;
             n = zc(cctx, cur, up + off, tp + off);
             tries[2]++;
             if (n >= 0 && n < limit) {
                 TAKE(n, C_PREFIX_T);
                 limit = n;
             }
+            saved(astats, slot, before, limit);
         }
-        if ((f & F_HAS_S) && limit > small) {
+        if ((f & F_HAS_S) && limit > small && (slot = draw(odds, rng, A_SDELTA, limit)) >= 0) {
+            long before = limit;
             tries[3]++;
             if (f & F_XOR_S) {
                 n = zc(cctx, cur, sxp + off, NULL);
@@ -230,6 +282,7 @@ static long azq_encode_loop(ZSTD_CCtx *cctx, int m, const uint8_t *up, const uin
                     limit = n;
                 }
             }
+            saved(astats, slot, before, limit);
         }
         if (pl > small) {
             long need = (ch == C_ZSTD || ch == C_LZ4) ? best_len - gain : best_len;

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from azqemu.memory.attempts import AttemptOdds
 from azqemu.memory.kinds import Method, RefType
 from azqemu.memory.simindex import LayeredIndex, SimilarityIndex
 
@@ -78,6 +79,9 @@ class DomainState:
     sim: SimilarityIndex = field(default_factory=SimilarityIndex.empty)
     sim_young: SimilarityIndex = field(default_factory=SimilarityIndex.empty)   # merged into sim later
     sim_pending: list[SimilarityIndex] = field(default_factory=list)
+    # Which of the encoder's costlier attempts pay on this domain's pages (not persisted:
+    # learned again after a restart within a few hundred pages).
+    attempts: AttemptOdds = field(default_factory=AttemptOdds)
 
 
 class BlobTable:

@@ -28,6 +28,7 @@ from typing import Protocol
 import numpy as np
 
 from azqemu.memory import lz4page, pagepatch
+from azqemu.memory.attempts import AttemptOdds
 from azqemu.memory.kinds import (
     DECODE_COST_US,
     DEFAULT_DECODE_BUDGET_US,
@@ -42,6 +43,7 @@ from azqemu.memory.pagehash import page_hashes_rows
 from azqemu.memory.simindex import N_SAMPLES, LayeredIndex, SimilarityIndex, sample_fingerprints
 from azqemu.memory.template import TemplateImage
 from azqemu.memory.zstdlib import (
+    ATTEMPT_SLOTS,
     BOUND_BYTES,
     C_LZ4,
     C_LZ4_XOR_T,
@@ -216,12 +218,15 @@ def classify_cheap(page_idx: np.ndarray, pages: np.ndarray, template: TemplateIm
 
 class Encoder:
     def __init__(self, zstd: PageZstd, options: EncoderOptions | None = None,
-                 scratch: Scratch | None = None) -> None:
+                 scratch: Scratch | None = None, odds: AttemptOdds | None = None) -> None:
         """``scratch``: buffers by name that outlive this encoder (the caller's for a whole
-        compression: one ``plan`` per chunk then reuses them instead of faulting in new ones)."""
+        compression: one ``plan`` per chunk then reuses them instead of faulting in new ones).
+        ``odds``: the sharing domain's record of which follow-up attempts pay (attempts.py);
+        None: every attempt on every page."""
         self.zstd = zstd
         self.opt = options or EncoderOptions()
         self._bufs: Scratch = {} if scratch is None else scratch
+        self.odds = odds
 
     def plan(self, page_idx: np.ndarray, pages: np.ndarray, template: TemplateImage,
              domain: DomainView | None, hot: np.ndarray | None = None) -> Plan:
@@ -387,10 +392,16 @@ class Encoder:
                      | (has_s & (c_p + s_cost <= budget)) * F_PREFIX_S
                      | opt.patch * F_PATCH).astype(np.uint8)
             flags[hot] = (F_LZ4 | hot_xor_t * F_XOR_T | hot_xor_s * F_XOR_S | opt.patch * F_PATCH)[hot]
+            odds = self.odds
+            astats = None if odds is None else np.zeros(2 * ATTEMPT_SLOTS, dtype=np.uint64)
             res = z.encode_batch(m, up, tpages, xpages, sref, spx, flags, TINY_DELTA_BYTES, DELTA_MIN_GAIN_BYTES,
                                  SMALL_ENOUGH_BYTES, opt.raw_threshold_bytes, lz4page.HOT_LZ4_LEVEL,
-                                 out=self._scratch("out", -(-m * BOUND_BYTES // PAGE_SIZE)).reshape(-1))
+                                 out=self._scratch("out", -(-m * BOUND_BYTES // PAGE_SIZE)).reshape(-1),
+                                 odds=None if odds is None else odds.table(), astats=astats,
+                                 seed=0 if odds is None else odds.seed())
             if res is not None:
+                if odds is not None and astats is not None:
+                    odds.note(astats)
                 self._take_native(plan, res, uniq, prow_all, pidx, key, check, fps, s_kind, s_ref)
                 return
         self._python_loop(plan, up, tpages, xpages, sref, spx, do_xor_t, try_prefix_t, has_s, do_xor_s,

@@ -270,7 +270,7 @@ class PageStore(StoreWriter, StoreBooks):
                     raise StoreError(f"domain {domain!r} is bound to another template")
                 self._table.reclaim()
             opts = dataclasses.replace(self._options, use_siblings=use_siblings)
-            encoder = Encoder(self.zstd, opts, scratch)
+            encoder = Encoder(self.zstd, opts, scratch, odds=d.attempts)
             for _attempt in range(3):
                 with self._lock:
                     old = self._sandboxes.get(sandbox)

@@ -90,7 +90,22 @@ _LIB = _load_libzstd()
 F_XOR_T, F_PREFIX_T, F_XOR_S, F_PREFIX_S, F_HAS_S, F_LZ4, F_PATCH = 1, 2, 4, 8, 16, 32, 64
 (C_ZSTD, C_XOR_T, C_PREFIX_T, C_XOR_S, C_PREFIX_S, C_LZ4, C_LZ4_XOR_T, C_LZ4_XOR_S, C_PATCH_T, C_PATCH_S,
  C_RAW) = 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 255
-NATIVE_ABI = 5
+NATIVE_ABI = 6
+# The encoder's follow-up attempts whose odds the caller sets (A_* of _pagecodec.c: plain zstd
+# after the XOR, the template prefix after the XOR or alone, the SDELTA pair), each in four
+# buckets of the best payload so far (<= 512, 1024, 2048 bytes, more).
+ATTEMPTS = ("plain", "prefix_after_xor", "prefix", "sdelta")
+ATTEMPT_BUCKET_BYTES = (512, 1024, 2048)
+ATTEMPT_SLOTS = len(ATTEMPTS) * (len(ATTEMPT_BUCKET_BYTES) + 1)
+
+
+def _ptr(a: np.ndarray | None, dtype: type, n: int) -> int | None:
+    """The address of a C-contiguous array of ``n`` ``dtype`` (None for None)."""
+    if a is None:
+        return None
+    if a.dtype != dtype or not a.flags.c_contiguous or a.size < n:
+        raise ValueError(f"need a contiguous {np.dtype(dtype).name} array of {n}")
+    return int(a.ctypes.data)
 
 
 def _xxh3_128_address() -> int:
@@ -119,7 +134,8 @@ def _load_native() -> Any | None:
             return None
         lib.azq_encode_batch.restype = ctypes.c_long
         lib.azq_encode_batch.argtypes = [_V, _I, _V, _V, _V, _V, _V, _V, ctypes.c_long, ctypes.c_long,
-                                         ctypes.c_long, ctypes.c_long, _I, _V, _S, _V, _V, _V, _V]
+                                         ctypes.c_long, ctypes.c_long, _I, _V, _S, _V, _V, _V, _V, _V, _V,
+                                         ctypes.c_uint32]
         lib.azq_decode_batch.restype = ctypes.c_long
         lib.azq_decode_batch.argtypes = [_V, _I, _V, _V, _V, _V, _V, _V, _V, _V]
         lib.azq_page_checks.restype = _I
@@ -296,11 +312,15 @@ class PageZstd:
     # -- batch loops in C (see _pagecodec.c) -------------------------------------------------
     def encode_batch(self, m: int, up: np.ndarray, tp: np.ndarray, xp: np.ndarray, sp: np.ndarray,
                      sxp: np.ndarray, flags: np.ndarray, tiny: int, gain: int, small: int, raw_limit: int,
-                     lz4_level: int = 0, out: np.ndarray | None = None,
+                     lz4_level: int = 0, out: np.ndarray | None = None, odds: np.ndarray | None = None,
+                     astats: np.ndarray | None = None, seed: int = 0,
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
         """Run the attempts of ``m`` pages in C: (out, off, length, choice, tries) or None on
         failure. ``out``: a contiguous uint8 buffer of m * BOUND_BYTES or more for the payloads
-        (reused by the caller: the payloads are copied out before the next batch)."""
+        (reused by the caller: the payloads are copied out before the next batch). ``odds``
+        (uint8, ATTEMPT_SLOTS): the follow-up attempts' odds out of 256 (None: every attempt);
+        ``astats`` (uint64, 2 * ATTEMPT_SLOTS): where their tries and saved bytes are added;
+        ``seed``: of the draws."""
         ctx = self._ctx()
         if out is None or out.nbytes < m * BOUND_BYTES or out.dtype != np.uint8 or not out.flags.c_contiguous:
             out = np.empty(m * BOUND_BYTES, dtype=np.uint8)
@@ -313,7 +333,8 @@ class PageZstd:
         used = self.native.azq_encode_batch(
             ctx.cctx, m, up.ctypes.data, tp.ctypes.data, xp.ctypes.data, sp.ctypes.data, sxp.ctypes.data,
             flags.ctypes.data, tiny, gain, small, raw_limit, lz4_level, out.ctypes.data, out.nbytes, off.ctypes.data,
-            length.ctypes.data, choice.ctypes.data, tries.ctypes.data)
+            length.ctypes.data, choice.ctypes.data, tries.ctypes.data, _ptr(odds, np.uint8, ATTEMPT_SLOTS),
+            _ptr(astats, np.uint64, 2 * ATTEMPT_SLOTS), seed & 0xFFFFFFFF)
         if used < 0:
             return None
         return out, off, length, choice, tries
