@@ -454,7 +454,7 @@ class SandboxMemory:
                 same = np.concatenate(same_parts) if same_parts else np.empty(0, dtype=np.int64)
                 self.sources.assign(same, self._store_src)
                 drop = np.union1d(same, np.setdiff1d(encoded, enc_raw))
-                with paused():
+                with paused() if len(drop) else nullcontext():      # nothing to drop: no pause
                     t2 = time.perf_counter()
                     rows = np.searchsorted(idx, drop)
                     kept_back = ~self.scan.unchanged(drop, key[rows], check[rows], scratch)

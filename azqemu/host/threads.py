@@ -62,6 +62,25 @@ def set_nice_of(tid: int, nice: int) -> bool:
         return False
 
 
+def set_nice_of_named(pid: int, comm: str, nice: int) -> int:
+    """Set the nice value of process ``pid``'s threads named ``comm`` (another process's:
+    QEMU's export thread, which a paused guest waits for). Returns how many were set."""
+    done = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                if f.read().strip() != comm:
+                    continue
+        except OSError:
+            continue             # the thread ended meanwhile
+        done += set_nice_of(int(tid), nice)
+    return done
+
+
 @contextmanager
 def nice_restored() -> Iterator[None]:
     """Give the calling thread its nice value back on the way out, whatever changed it
