@@ -91,6 +91,7 @@ def memory_stats(mem: Any, *, reset: bool = False) -> dict[str, object]:
     # template (or of a hole) is no sign of a trim or a hot set that missed; a store page is.
     native = mem.handler.native_counters()
     counters["native_from"] = {k: native.get(f"from_{k}", 0) for k in ("template", "zero", "store")}
+    counters["mapped_around"] = native.get("around", 0)     # pages a first touch's span brought along
     stored = (mem.store.owned_bytes(mem.name).as_dict() if mem.name in mem.store.sandboxes() else {})
     return {"name": mem.name, "compressed": mem.compressed, "registered": mem.registered,
             "copy_on_write": mem.cow, "store": stored, "call_kinds": mem.calls.kinds,

@@ -129,6 +129,9 @@ class SandboxMemory:
         self.sources = CompositeSource(pages, self.block.page_size, default=self._unstored)
         if self.cow:
             self.sources.register(self._zero_src)  # known to the fault handler from its start
+            # The template file's holes are zero pages: so marked, a first touch maps its span's
+            # template and zero pages in runs (_faultloop.c, map_around), a hole is no error.
+            self.sources.assign(np.flatnonzero(template.rows(np.arange(pages)) < 0), self._zero_src)
         self.sources.register(self._store_src)     # so is the store (the native fault thread)
         if name in store.sandboxes():
             stored_owner = store.owner_of(name)
@@ -177,8 +180,7 @@ class SandboxMemory:
 
     def restart_handler(self) -> bool:
         """Start the fault handler if its thread is not running (first start, or after it died:
-        the supervisor's call). Under a lock of its own, not the memory lock a compression holds
-        for seconds, so that the two never start it twice. Returns whether it started it."""
+        the supervisor's call), under a lock of its own, not the memory lock. Returns whether it did."""
         with self._handler_lock:
             if self.handler.running:
                 return False
@@ -202,15 +204,13 @@ class SandboxMemory:
                 self._template_src.close()
 
     def cancel(self, *, for_good: bool = False) -> None:
-        """Ask a running compression to stop at its next step; ``for_good`` (a destroy): and
-        every later one, also one that starts after this call and clears the plain cancel."""
+        """Ask a running compression to stop at its next step; ``for_good`` (a destroy): and every later one."""
         if for_good:
             self._ending.set()
         self._cancel.set()
 
     def resident_bytes(self) -> int:
-        """Guest RAM held for this sandbox alone: the memfd's pages, or the anonymous copies
-        of a copy-on-write mapping."""
+        """Guest RAM held for this sandbox alone (RamScan.resident_bytes)."""
         return self.scan.resident_bytes()
 
     def _encode(self, parts: Iterator[tuple[np.ndarray, np.ndarray]], hot_idx: np.ndarray | None,

@@ -29,12 +29,12 @@ from azqemu.restore.source import (
     ZeroSource,
 )
 
-ABI = 3
+ABI = 4
 _V, _U64, _I64, _I = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64, ctypes.c_int
 EV_FAULT, EV_REMOVE = 1, 2
 # Counter order of azq_fp_counters (C_* in _faultloop.c).
 COUNTERS = ("faults", "served", "already_present", "retries", "stale", "other_events", "forwarded", "native",
-            "dropped_at_stop", "from_template", "from_zero", "from_store")
+            "dropped_at_stop", "from_template", "from_zero", "from_store", "around")
 
 
 class Action(enum.IntEnum):
