@@ -64,9 +64,10 @@ class AttemptOdds:
             self.tries[old] /= 2
             self.saved[old] /= 2
 
-    def summary(self) -> dict[str, list[float]]:
-        """Saved bytes per try by attempt (one figure per bucket; NaN: not tried)."""
+    def summary(self) -> dict[str, list[float | None]]:
+        """Saved bytes per try by attempt (one figure per bucket; None: not tried)."""
         with self._lock:
-            per = np.where(self.tries > 0, self.saved / np.maximum(self.tries, 1), np.nan)
-        rows = per.reshape(len(ATTEMPTS), -1)
-        return {name: [round(float(v), 1) for v in rows[i]] for i, name in enumerate(ATTEMPTS)}
+            tries, saved = self.tries.copy(), self.saved.copy()
+        per = [None if t == 0 else round(float(s / t), 1) for t, s in zip(tries.tolist(), saved.tolist())]
+        n = len(per) // len(ATTEMPTS)
+        return {name: per[i * n:(i + 1) * n] for i, name in enumerate(ATTEMPTS)}

@@ -549,6 +549,12 @@ class PageStore(StoreWriter, StoreBooks):
         with self._lock:
             return sandbox_books(self._table, [self._sandbox(sandbox)])[sandbox]
 
+    def attempt_summary(self, domain: str) -> dict[str, list[float | None]]:
+        """Bytes a try of each follow-up attempt saved lately on ``domain`` (attempts.py)."""
+        with self._lock:
+            d = self._table.domains.get(domain)
+        return {} if d is None else d.attempts.summary()
+
     # ------------------------------------------------------------------ persistence
     # flush, generation and compact_arena: StoreWriter (storewrite.py).
     def close(self) -> None:
