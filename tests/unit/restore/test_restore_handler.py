@@ -448,6 +448,22 @@ class CowRam:
                                  features=abi.UFFD_FEATURE_MISSING_SHMEM | abi.UFFD_FEATURE_MINOR_SHMEM)
         self.store = Store()
 
+    def compressed(self, stored: tuple[int, ...], zero: tuple[int, ...]) -> FaultHandler:
+        """As a compression leaves it: ``stored`` pages (gen 7) in the store, ``zero`` pages
+        known zero, the rest the file's; the range registered, every page dropped, a handler
+        started (the caller closes it)."""
+        self.store.pages = {i: pattern(i, gen=7) for i in stored}
+        zero_src = ZeroSource()
+        comp = CompositeSource(self.pages, PS, default=MappedSource())
+        comp.register(zero_src)
+        comp.assign(list(stored), StoreSource(self.store, "sb"))
+        comp.assign(list(zero), zero_src)
+        self.handle.register(self.addr, self.size, minor=True)
+        assert libc.madvise(self.addr, self.size, MADV_DONTNEED) == 0
+        h = FaultHandler(self.handle, comp)
+        h.start()
+        return h
+
     def read(self, page_idx: int) -> bytes:
         out = ctypes.create_string_buffer(PS)
         ctypes.memmove(out, self.addr + page_idx * PS, PS)
@@ -474,16 +490,7 @@ def test_copy_on_write_pages_come_back_by_copy_continue_and_zeropage() -> None:
         for i in (1, 2, 5):                 # the guest writes three pages
             ram.map[i * PS:(i + 1) * PS] = pattern(i, gen=7)
         ram.map[9 * PS:10 * PS] = bytes(PS)  # and zeroes one
-        ram.store.pages = {i: pattern(i, gen=7) for i in (1, 2, 5)}
-        zero_src = ZeroSource()
-        comp = CompositeSource(ram.pages, PS, default=MappedSource())
-        comp.register(zero_src)
-        comp.assign([1, 2, 5], StoreSource(ram.store, "sb"))
-        comp.assign([9], zero_src)
-        ram.handle.register(ram.addr, ram.size, minor=True)
-        assert libc.madvise(ram.addr, ram.size, MADV_DONTNEED) == 0
-        h = FaultHandler(ram.handle, comp)
-        h.start()
+        h = ram.compressed((1, 2, 5), zero=(9,))
         try:
             got: dict[int, bytes] = {}
 
@@ -539,16 +546,7 @@ def test_a_first_touch_maps_the_template_and_zero_pages_of_its_span(fault_path: 
         stored = (1, 2, 5)
         for i in stored:
             ram.map[i * PS:(i + 1) * PS] = pattern(i, gen=7)
-        ram.store.pages = {i: pattern(i, gen=7) for i in stored}
-        zero_src = ZeroSource()
-        comp = CompositeSource(ram.pages, PS, default=MappedSource())
-        comp.register(zero_src)
-        comp.assign(list(stored), StoreSource(ram.store, "sb"))
-        comp.assign([9], zero_src)
-        ram.handle.register(ram.addr, ram.size, minor=True)
-        assert libc.madvise(ram.addr, ram.size, MADV_DONTNEED) == 0
-        h = FaultHandler(ram.handle, comp)
-        h.start()
+        h = ram.compressed(stored, zero=(9,))
         try:
             span = 2 << 20
             same_span = [i for i in range(ram.pages) if (ram.addr + i * PS) // span == ram.addr // span]
