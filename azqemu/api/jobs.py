@@ -20,6 +20,7 @@ from typing import Any
 from azqemu.api.errors import error_info
 from azqemu.api.models import Job
 from azqemu.errors import ApiNotFound, DaemonBusy
+from azqemu.host.threads import os_named
 
 KEEP_FINISHED_S = 3600.0
 MAX_JOBS = 256
@@ -57,7 +58,7 @@ class Jobs:
                 entry.job = entry.job.model_copy(update=update)
             entry.done.set()
 
-        threading.Thread(target=run, name=f"azq-job-{kind}", daemon=True).start()
+        threading.Thread(target=os_named(run), name=f"azq-job-{kind}", daemon=True).start()
         return entry.job
 
     def get(self, job_id: str, wait_s: float = 0.0) -> Job:

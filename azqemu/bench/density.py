@@ -34,6 +34,7 @@ from azqemu.client import Client
 from azqemu.errors import AzqemuError, ConfigError
 from azqemu.host import memacct, procfs
 from azqemu.host.linuxmm import signals_raise
+from azqemu.host.threads import os_named
 from azqemu.image import find_image
 from azqemu.sched import policy as policy_mod
 
@@ -93,7 +94,7 @@ class _Sampler:
         self.last: dict[str, Any] = {}
         self._stop = threading.Event()
         self._t0 = time.monotonic()
-        self._thread = threading.Thread(target=self._run, name="azq-density-sampler", daemon=True)
+        self._thread = threading.Thread(target=os_named(self._run), name="azq-density-sampler", daemon=True)
 
     def start(self) -> None:
         self._thread.start()

@@ -20,6 +20,7 @@ import threading
 from collections.abc import Callable
 
 from azqemu.errors import AzqemuError
+from azqemu.host.threads import os_named
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class MetadataWriter:
 
     def start(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="azq-domain-metadata", daemon=True)
+            self._thread = threading.Thread(target=os_named(self._run), name="azq-domain-metadata", daemon=True)
             self._thread.start()
 
     def stop(self) -> None:

@@ -36,6 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from azqemu.host.threads import os_named
+
 log = logging.getLogger(__name__)
 
 # How often the handlers are looked at: a failed sandbox shows in `azq list` this fast, and
@@ -131,7 +133,7 @@ class FaultSupervisor:
         with self._start_lock:
             if self._thread is None or not self._thread.is_alive():
                 self._stop.clear()
-                self._thread = threading.Thread(target=self._run, name="azq-fault-supervisor", daemon=True)
+                self._thread = threading.Thread(target=os_named(self._run), name="azq-fault-supervisor", daemon=True)
                 self._thread.start()
 
     def stop(self) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 
 from azqemu.daemon.registry import Registry
 from azqemu.errors import AzqemuError, ConfigError, SandboxNotFound
+from azqemu.host.threads import os_named
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +183,7 @@ class TtlReaper:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="azq-ttl-reaper", daemon=True)
+        self._thread = threading.Thread(target=os_named(self._run), name="azq-ttl-reaper", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:

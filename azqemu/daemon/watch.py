@@ -28,6 +28,7 @@ from azqemu.daemon.eventlog import LIBVIRT, EventLog
 from azqemu.daemon.memsvc import MemoryService
 from azqemu.daemon.registry import Registry
 from azqemu.errors import AzqemuError, DomainNotFound
+from azqemu.host.threads import os_named
 from azqemu.virt.identity import remove_vm_dir
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ class DomainWatcher:
         self.lost_total: collections.Counter[str] = collections.Counter()
 
     def start(self) -> None:
-        self._worker = threading.Thread(target=self._work, name="azq-domain-watch", daemon=True)
+        self._worker = threading.Thread(target=os_named(self._work), name="azq-domain-watch", daemon=True)
         self._worker.start()
         factory = self._source_factory
         if factory is None:

@@ -1,15 +1,19 @@
-"""Thread priority: the one place azqemu sets a thread's nice value.
+"""Thread priority and names: the one place azqemu sets a thread's nice value or OS name.
 
 Linux schedules threads, and setpriority(2) with PRIO_PROCESS and a thread id (or 0, the
 calling thread) changes that thread only, not its process (Linux semantics, not POSIX).
 Fault handlers run above the guests (a vCPU waits on every fault), compression below them
 (it is background work), and helper threads take the priority of the thread they serve.
+Each thread the manager starts carries its name to the kernel (``os_named``), so that
+``top -H -p <manager pid>`` and /proc show which of them takes the CPU.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -108,3 +112,31 @@ def run_at_nice(nice: int, fn: Callable[..., T], *args: Any) -> T:
     if thread_nice() != nice:
         set_thread_nice(nice)
     return fn(*args)
+
+
+# The kernel keeps 15 bytes of a thread's name (TASK_COMM_LEN less its NUL).
+OS_NAME_BYTES = 15
+
+
+def name_os_thread(name: str | None = None) -> bool:
+    """Give the calling thread ``name`` (by default its Python name; cut to OS_NAME_BYTES) as
+    its OS name: CPython before 3.14 leaves every thread named after the process. False where
+    /proc refuses."""
+    name = threading.current_thread().name if name is None else name
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as f:
+            f.write(name.encode()[:OS_NAME_BYTES].decode(errors="ignore"))
+        return True
+    except OSError as exc:
+        log.debug("cannot name this thread %r: %s", name, exc)
+        return False
+
+
+def os_named(target: Callable[..., T]) -> Callable[..., T]:
+    """``target``, run under its Python thread's name as its OS name (a threading.Thread's
+    target, or a ThreadPoolExecutor's initializer)."""
+    @functools.wraps(target)
+    def run(*args: Any, **kwargs: Any) -> T:
+        name_os_thread()
+        return target(*args, **kwargs)
+    return run

@@ -435,6 +435,7 @@ static void *fp_main(void *arg)
     azq_fp *fp = arg;
     /* A vCPU waits while its fault is served: win the CPU from the guests (handler.py). */
     setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), fp->nice);
+    pthread_setname_np(pthread_self(), "azq-fault");    /* top -H; host/threads.py */
     struct uffd_msg msgs[BATCH_MSGS];
     struct pollfd pfd[2] = {{fp->uffd, POLLIN, 0}, {fp->stop_fd, POLLIN, 0}};
     while (!fp->stopping) {

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from azqemu.host.threads import FAULT_HANDLER_NICE, set_thread_nice
+from azqemu.host.threads import FAULT_HANDLER_NICE, os_named, set_thread_nice
 from azqemu.restore import native as cfaults
 from azqemu.restore import uffd_abi as abi
 from azqemu.restore.errors import UffdIoctlError
@@ -230,7 +230,7 @@ class FaultHandler:
         if self._thread is not None:
             raise RuntimeError("handler already started")
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+        self._thread = threading.Thread(target=os_named(self._run), name=self._name, daemon=True)
         self._thread.start()
         if self._native is not None:
             self._native.start(FAULT_HANDLER_NICE)

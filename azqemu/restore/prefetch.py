@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from azqemu.host.threads import run_at_nice, thread_nice
+from azqemu.host.threads import name_os_thread, run_at_nice, thread_nice
 from azqemu.restore import uffd_abi as abi
 from azqemu.restore.errors import PageUnavailable, UffdIoctlError
 from azqemu.restore.export import RamMapping
@@ -87,7 +87,8 @@ def _decode_pool() -> ThreadPoolExecutor:
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="azq-prefetch")
+            _POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="azq-prefetch",
+                                       initializer=name_os_thread)
         return _POOL
 
 

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from azqemu.host.threads import os_named
 from azqemu.sched.agent_channel import AgentChannel, AgentMessage
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ class AgentLinks:
         self._conns: dict[str, tuple[socket.socket, AgentChannel]] = {}
         self._paused: dict[str, float] = {}   # sandbox -> monotonic time to read it again
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="azq-agent-links", daemon=True)
+        self._thread = threading.Thread(target=os_named(self._run), name="azq-agent-links", daemon=True)
 
     def start(self) -> None:
         self._thread.start()

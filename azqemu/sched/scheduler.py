@@ -25,7 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import psutil
 
-from azqemu.host.threads import COMPRESS_NICE, set_thread_nice
+from azqemu.host.threads import COMPRESS_NICE, os_named, set_thread_nice
 from azqemu.sched.actions import SchedActions, SchedState
 from azqemu.sched.phases import TOOL, WAIT
 from azqemu.sched.policy import TRIM_AFTER_S, TRIM_EVERY_S
@@ -45,11 +45,11 @@ class Scheduler:
         self.pressure_budget_bytes: int | None = None
         # Compression is background work: its worker runs below the vCPUs (host.threads).
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="azq-compress",
-                                          initializer=functools.partial(set_thread_nice, COMPRESS_NICE))
+                                          initializer=os_named(functools.partial(set_thread_nice, COMPRESS_NICE)))
         self._queued = 0                  # jobs submitted and not finished (the worker's queue)
         self._queued_lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="azq-scheduler", daemon=True)
+        self._thread = threading.Thread(target=os_named(self._run), name="azq-scheduler", daemon=True)
         self._last_host_sample = 0.0
 
     def start(self) -> None:

@@ -18,6 +18,8 @@ from typing import Any
 
 import libvirt
 
+from azqemu.host.threads import os_named
+
 log = logging.getLogger(__name__)
 
 EVENTS = {
@@ -72,7 +74,7 @@ class LifecycleEvents:
     def start(self, timeout_s: float = 10.0) -> None:
         """Start the loop and subscribe; returns once subscribed (or logs why not)."""
         _register_impl()
-        self._thread = threading.Thread(target=self._run, name="azq-libvirt-events", daemon=True)
+        self._thread = threading.Thread(target=os_named(self._run), name="azq-libvirt-events", daemon=True)
         self._thread.start()
         if not self._connected.wait(timeout_s):
             log.warning("libvirt events: not subscribed within %.0f s; retrying in the background", timeout_s)

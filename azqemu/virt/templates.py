@@ -42,6 +42,7 @@ from azqemu.errors import (
 )
 from azqemu.host import procfs
 from azqemu.host import setup as hostsetup
+from azqemu.host.threads import os_named
 from azqemu.image import GuestImage, find_image
 from azqemu.names import validate_name
 from azqemu.qmp import Monitor
@@ -181,7 +182,7 @@ class _StateReceiver:
         self.port = self.sock.getsockname()[1]
         self.bytes = 0
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="azq-devstate-rx", daemon=True)
+        self._thread = threading.Thread(target=os_named(self._run), name="azq-devstate-rx", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:

@@ -63,3 +63,26 @@ def test_a_canceller_raises_a_compressing_thread_which_then_gets_its_value_back(
 
 def test_an_unknown_thread_is_refused_without_raising() -> None:
     assert threads.set_nice_of(2**22 + 12345, 5) is False
+
+
+def _comm(tid: int) -> str:
+    with open(f"/proc/self/task/{tid}/comm") as f:
+        return f.read().strip()
+
+
+def test_a_thread_started_os_named_carries_its_python_name_to_the_kernel_cut_to_15_bytes() -> None:
+    seen: dict[str, str] = {}
+
+    def work() -> None:
+        seen["comm"] = _comm(threading.get_native_id())
+    t = threading.Thread(target=threads.os_named(work), name="azq-compress-worker-1")
+    t.start()
+    t.join(10)
+    assert seen["comm"] == "azq-compress-wo"
+    assert _comm(threading.get_native_id()) != "azq-compress-wo"    # the caller keeps its own
+
+
+def test_a_pool_initializer_names_its_workers() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="azq-pool", initializer=threads.name_os_thread) as pool:
+        assert pool.submit(lambda: _comm(threading.get_native_id())).result(10) == "azq-pool_0"

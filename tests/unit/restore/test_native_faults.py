@@ -78,6 +78,14 @@ def _read_all(ram: Ram, pages: list[int], timeout_s: float = 10) -> dict[int, by
     return got
 
 
+def _comm(tid: str) -> str:
+    try:
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:                 # the thread ended meanwhile
+        return ""
+
+
 def _wait_for(cond, timeout_s: float = 5) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond() and time.monotonic() < deadline:
@@ -89,8 +97,10 @@ def test_store_pages_are_served_by_the_c_thread_alone(world) -> None:
     ram.handle.register(ram.addr, ram.size)
     _store_and_punch(ram, store, tpl, list(range(PAGES)), gen=1)
     comp = CompositeSource.for_sandbox(PAGES, PS, stored=np.arange(PAGES), store=StoreSource(store, "sb"))
-    with FaultHandler(ram.handle, comp) as h:
+    with FaultHandler(ram.handle, comp, name="azq-faults-sb") as h:
         assert h.native
+        names = {_comm(t) for t in os.listdir("/proc/self/task")}
+        assert {"azq-fault", "azq-faults-sb"} <= names, names    # the C thread, the Python one (top -H)
         got1: dict[int, bytes] = {}
         got2: dict[int, bytes] = {}
         t1, t2 = ram.reader(list(range(PAGES)), got1), ram.reader(list(reversed(range(PAGES))), got2)
