@@ -71,14 +71,19 @@ READY_TIMEOUT_S = 600.0
 READY_POLL_S = 0.5
 TOOL_CALL_TIMEOUT_S = 600.0
 
-# The issue's targets (figure -> (bound, "max" = at most, "min" = at least)).
+# The fast-paths issue's targets (figure -> (bound, "max" = at most, "min" = at least)); the
+# resume bound is for a 100 MiB hot set. The bench prints each beside its measure, met or not.
 TARGETS: dict[str, tuple[float, str]] = {
-    "fault_service_us.median": (20.0, "max"),
-    "fault_service_us.p99": (100.0, "max"),
-    "fault_stall_us.median": (50.0, "max"),
-    "prefetch_mib_s": (1024.0, "min"),
-    "resume_s": (0.150, "max"),
+    "fault_service_us.median": (8.0, "max"),
+    "fault_service_us.p99": (30.0, "max"),
+    "fault_stall_us.median": (30.0, "max"),
+    "prefetch_mib_s": (3072.0, "min"),
+    "resume_s": (0.050, "max"),
     "faults_removed_fraction": (0.90, "min"),
+}
+# With ``--concurrent N`` (the target is for 16 sandboxes faulting at once).
+CONCURRENT_TARGETS: dict[str, tuple[float, str]] = {
+    "concurrent.fault_service_us.p99": (100.0, "max"),
 }
 
 # Runs in the guest (python3 of the image, stdlib only): allocates the working set, then
@@ -387,7 +392,7 @@ def _get(result: dict[str, Any], key: str) -> float:
 
 def targets_met(result: dict[str, Any]) -> dict[str, bool]:
     out = {}
-    for key, (bound, kind) in TARGETS.items():
+    for key, (bound, kind) in (TARGETS | (CONCURRENT_TARGETS if "concurrent" in result else {})).items():
         v = _get(result, key)
         out[key] = v <= bound if kind == "max" else v >= bound
     return out
@@ -420,14 +425,19 @@ def format_table(result: dict[str, Any]) -> str:
             target, verdict = "", ""
         lines.append(f"{label:<36} {value:>10}  {target:<10} {verdict}".rstrip())
     if "concurrent" in result:
-        lines += [f"{label:<36} {value:>10}" for label, value in _concurrent_rows(result["concurrent"])]
+        for key, label, value in _concurrent_rows(result["concurrent"]):
+            if key in CONCURRENT_TARGETS:
+                bound, _kind = CONCURRENT_TARGETS[key]
+                lines.append(f"{label:<36} {value:>10}  {'<= ' + f'{bound:g}':<10} {'met' if met[key] else 'NOT met'}")
+            else:
+                lines.append(f"{label:<36} {value:>10}")
     return "\n".join(lines)
 
 
-def _concurrent_rows(conc: dict[str, Any]) -> list[tuple[str, str]]:
-    """Table lines of ``--concurrent N`` (restore_concurrent.py): (label, value)."""
+def _concurrent_rows(conc: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """Table lines of ``--concurrent N`` (restore_concurrent.py): (target key, label, value)."""
     n, svc = conc["sandboxes"], conc["fault_service_us"]
-    return [(f"fault service median, {n} at once (us)", f"{svc['median']:.1f}"),
-            (f"fault service p99, {n} at once (us)", f"{svc['p99']:.1f}"),
-            (f"all {n} faulting at once (% of span)",
+    return [("concurrent.fault_service_us.median", f"fault service median, {n} at once (us)", f"{svc['median']:.1f}"),
+            ("concurrent.fault_service_us.p99", f"fault service p99, {n} at once (us)", f"{svc['p99']:.1f}"),
+            ("concurrent.overlap", f"all {n} faulting at once (% of span)",
              f"{100 * conc['overlap_s'] / conc['span_s']:.0f}" if conc.get("span_s") else "-")]

@@ -85,8 +85,10 @@ def test_table_line_for_the_concurrent_figure() -> None:
     lines = rb.format_table(res).splitlines()
     med = next(line for line in lines if line.startswith("fault service median, 16 at once (us)"))
     assert med.split()[-1] == "41.5"
-    assert next(line for line in lines if line.startswith("fault service p99, 16 at once")).split()[-1] == "870.2"
+    p99 = next(line for line in lines if line.startswith("fault service p99, 16 at once")).split()
+    assert p99[-5:] == ["870.2", "<=", "100", "NOT", "met"]
     assert lines[-1].split()[-1] == "90"
+    assert rb.targets_met(res)["concurrent.fault_service_us.p99"] is False
 
 
 class FakeDaemon:
