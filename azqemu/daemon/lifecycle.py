@@ -13,7 +13,9 @@ number of threads, each end in one defined way:
   before anything was lost (StoreFull, a cancel); a crash in it fails the sandbox;
 - resume and exec cancel a compression, wait for it, and resume a ``compressed`` sandbox:
   ``resuming`` puts the hot set back, continues the vCPUs and ends ``running``; a page that
-  cannot be produced fails the sandbox with the reason (never a guest waiting in silence);
+  cannot be produced fails the sandbox with the reason (never a guest waiting in silence).
+  An exec continues the vCPUs first and puts the hot set back beside its call (UFFDIO_COPY
+  skips a page the guest faulted in meanwhile), joined before the call returns;
 - a ``failed`` sandbox refuses everything but destroy, and says why.
 
 A clone batch is all or nothing: names are checked before anything is made (a taken name
@@ -31,7 +33,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
@@ -278,6 +280,7 @@ class Lifecycle:
         try:
             self.memory.cancel(name)  # a compression in progress stops at its next step
             resume: dict[str, Any] = {}
+            beside: Future[dict[str, Any]] | None = None     # the hot set coming back beside the call
             # Under the lock: a compression that already passed its last phase check may be
             # pausing the sandbox right now; once it is done (or cancelled) we see its state.
             with self._locked(name, "exec") as slot:
@@ -285,7 +288,9 @@ class Lifecycle:
                 state = slot.require("exec", (State.RUNNING, State.COMPRESSED))
                 prefetch = st.policy.prefetch if st else True
                 if state is State.COMPRESSED and not slot.user_paused:
-                    resume = self.resume_locked(name, dom, prefetch=prefetch, call=call)
+                    resume = self.resume_locked(name, dom, prefetch=prefetch, call=call,
+                                                beside=prefetch and st is not None and st.policy.prefetch_beside)
+                    beside = resume.pop("beside", None)
                 elif prefetch and not slot.user_paused:
                     resume = self.memory.refill(name, call)
             dstate = dom.state()
@@ -301,9 +306,13 @@ class Lifecycle:
             after = mem.call_counters() if mem is not None else before
             faults, store_faults, trim_s = (after[0] - before[0], after[1] - before[1], after[2] - before[2])
         finally:
-            slot.exec_ended()
-            if st is not None:
-                st.tracker.exec_ended()
+            try:
+                if beside is not None:  # done long before a call ends, but never outlives it
+                    resume.update(beside.result())      # a page it could not produce: raised here
+            finally:
+                slot.exec_ended()
+                if st is not None:
+                    st.tracker.exec_ended()
         # Where the call's time went, beside the guest's own run: waiting for an operation on
         # the sandbox to stop (lock_wait_s), the resume, the trims' pauses and the faults
         # served while the command ran (the density benchmark's breakdown per tool call).
@@ -332,10 +341,13 @@ class Lifecycle:
             slot.user_paused = False
             return self.resume_locked(name, self.reg.domain(name), prefetch=prefetch)
 
-    def resume_locked(self, name: str, dom: Domain, *, prefetch: bool = True, call: int | None = None) -> dict[str, Any]:
+    def resume_locked(self, name: str, dom: Domain, *, prefetch: bool = True, call: int | None = None,
+                      beside: bool = False) -> dict[str, Any]:
         """The caller holds the sandbox's lock. A running sandbox's vCPUs are continued (the
         user's pause); a compressed one goes through ``resuming`` (``call``: the kind of tool
-        call that resumes it, MemoryService.note_call)."""
+        call that resumes it, MemoryService.note_call). ``beside`` (a tool call's resume): the
+        vCPUs continue first and the hot set comes back beside the call, a Future under
+        "beside" (MemoryService.prefetch_beside), so that the call does not wait for it."""
         t0 = time.perf_counter()
         out: dict[str, Any] = {"prefetched_pages": 0, "prefetch_s": 0.0}
         slot = self.reg.slot(name)
@@ -348,8 +360,9 @@ class Lifecycle:
         slot.to(State.RESUMING)
         crash_point("before-prefetch")
         try:
-            out.update(self.memory.prefetch(name, hot=prefetch, call=call))
-            crash_point("after-prefetch")
+            if not beside:
+                out.update(self.memory.prefetch(name, hot=prefetch, call=call))
+                crash_point("after-prefetch")
             if dom.state() == "paused":
                 dom.resume()
             crash_point("after-vcpu-resume")
@@ -369,6 +382,8 @@ class Lifecycle:
             slot.fail(f"resume crashed: {type(exc).__name__}: {exc}")
             raise
         self._end(slot, State.RUNNING, "resume")
+        if beside:
+            out["beside"] = self.memory.prefetch_beside(name, hot=prefetch, call=call)
         out["resume_s"] = time.perf_counter() - t0
         return out
 

@@ -27,6 +27,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -38,17 +39,22 @@ from azqemu.daemon.sandboxmem import SandboxMemory
 from azqemu.daemon.supervisor import FaultSupervisor, SupervisedMemory
 from azqemu.errors import ConfigError, RestoreError, StoreCorrupt, StoreError, StoreForeign
 from azqemu.host import selfmem, threads
+from azqemu.host.threads import name_os_thread
 from azqemu.memory.crashpoint import crash_point
 from azqemu.memory.persist import STORE_FILE, read_store
 from azqemu.memory.store import PageStore
 from azqemu.memory.template import TemplateImage
 from azqemu.pages import PAGE_SIZE
+from azqemu.restore.errors import PageUnavailable
 from azqemu.sched import policy as policy_mod
 from azqemu.virt.clones import SandboxRecord, SandboxRepo
 from azqemu.virt.identity import vm_paths
 from azqemu.virt.templates import TemplateMeta, TemplateRepo
 
 log = logging.getLogger(__name__)
+# Tool calls whose resumes put hot sets back at once (one thread each; more wait their turn,
+# their guests served by faults meanwhile).
+BESIDE_THREADS = 8
 
 
 class MemoryService:
@@ -76,6 +82,8 @@ class MemoryService:
         # the guest wrote; what compression CPU is paid per (bench density's per-MiB figure).
         self.compress_encoded_bytes: dict[str, int] = {}
         self.restore_count: dict[str, int] = {}      # resumes of a compressed sandbox, per sandbox
+        self._beside: ThreadPoolExecutor | None = None   # prefetch_beside's threads, made on first use
+        self._beside_lock = threading.Lock()
         selfmem.bound_heap_caching()
         # Sandboxes whose stored pages were lost (a quarantined store or index): name -> reason.
         self.failed: dict[str, str] = {}
@@ -408,6 +416,31 @@ class MemoryService:
         return {"prefetched_pages": st.prefetched_pages, "prefetch_s": st.prefetch_s,
                 "prefetch_mib_s": st.prefetch_mib_s}
 
+    def prefetch_beside(self, name: str, *, hot: bool, call: int | None = None) -> Future[dict[str, Any]]:
+        """``prefetch`` in a helper thread, for a sandbox whose vCPUs run already (a tool call's
+        resume): a page the guest touches first is served by its fault and skipped here. A
+        page the store cannot produce fails the sandbox, as before its vCPUs would have
+        continued, and the Future raises it; any other failure is logged: first touch serves
+        what is left."""
+        def run() -> dict[str, Any]:
+            try:
+                out = self.prefetch(name, hot=hot, call=call)
+            except (StoreError, PageUnavailable) as exc:
+                if self.on_failed is not None:
+                    self.on_failed(name, f"resume could not put its pages back: {type(exc).__name__}: {exc}")
+                raise
+            except Exception as exc:  # noqa: BLE001 - the call goes on; its faults tell
+                log.warning("%s: hot set not put back beside the call (first touch serves it): %s: %s",
+                            name, type(exc).__name__, exc)
+                return {}
+            crash_point("after-prefetch")
+            return out
+        with self._beside_lock:
+            if self._beside is None:
+                self._beside = ThreadPoolExecutor(max_workers=BESIDE_THREADS, thread_name_prefix="azq-resume",
+                                                  initializer=name_os_thread)
+            return self._beside.submit(run)
+
     def memstats(self, name: str, *, reset: bool) -> dict[str, Any]:
         mem = self.mem.get(name)
         if mem is None:
@@ -418,6 +451,8 @@ class MemoryService:
     def close(self) -> None:
         """Stop serving faults without unregistering: QEMU keeps its uffd, so a compressed
         guest waits for the next manager instead of reading zero pages."""
+        if self._beside is not None:
+            self._beside.shutdown(wait=True)
         self.supervisor.stop()
         for mem in list(self.mem.values()):
             mem.handler.stop()

@@ -565,7 +565,7 @@ class SandboxMemory:
         with self._lock:
             predicted = self.calls.predict(call)
             want = np.empty(0, dtype=np.int64)
-            if hot and self.compressed:
+            if hot and self.compressed and self.registered:     # detached meanwhile: its uffd is closed
                 want = np.intersect1d(self.hot_idx if predicted is None else predicted, self.store.stored_pages(self.name))
             elif hot and predicted is not None and self.registered and len(want := self.calls.trimmed(predicted)):
                 # Only then the store's index and the pagemap (most calls find nothing trimmed).

@@ -27,6 +27,7 @@ Points (where they are, and what a restart must find):
   last one, and serve every page):
     before-prefetch           lifecycle: state ``resuming`` recorded, nothing put back yet
     after-prefetch            lifecycle: the hot set copied into QEMU (UFFDIO_COPY), vCPUs paused
+                              (a tool call's resume, memsvc.prefetch_beside: vCPUs running)
     after-vcpu-resume         lifecycle: vCPUs continue, the record still says ``resuming``
     after-reattach            memsvc: a restarted manager made the sandbox's page sources (stored
                               pages assigned to the store), no fault served yet

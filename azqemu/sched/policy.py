@@ -11,6 +11,7 @@
 | agentzip-no-sibling | copy-on-write   | as agentzip, template-relative only (no DUP/SDELTA bases of siblings) |
 | agentzip-no-trim    | copy-on-write   | as agentzip, but a long tool call keeps all it holds (ablation) |
 | agentzip-steady-trims | copy-on-write | as agentzip, but trims that drop little do not slow down (ablation) |
+| agentzip-prefetch-first | copy-on-write | as agentzip, but a tool call's resume puts the hot set back before the vCPUs continue (ablation) |
 | agentzip-pressure   | copy-on-write   | phase-unaware: compress (and run on, lazily) the largest  |
 |                     |                 | sandboxes whenever their memory crosses a budget          |
 
@@ -40,9 +41,8 @@ DEFAULT_GRACE_S = 1.0
 # logs, a heap) it then leaves alone. After TRIM_AFTER_S of a tool call, and every
 # TRIM_EVERY_S after, a trim drops the copies left alone for the sandbox's cold age
 # (daemon/coldrule.py: 2 s, adapted to how many dropped pages come back): those equal to
-# their stored entries, and written ones whose hash has not moved (encoded first). Each trim
-# pauses the vCPUs for a scan and hash of the sandbox's copies (~2-3 ms per 1,000 copies,
-# plus the encoding of what went cold). Measured on 4 x 512 MiB, small scale, in one run
+# their stored entries, and written ones whose hash has not moved (encoded first). A trim
+# scans, hashes and encodes beside the guest and pauses its vCPUs only to check and drop. Measured on 4 x 512 MiB, small scale, in one run
 # each against agentzip-no-trim (owned MiB, linux beside): long-lived-heap 125.8 vs 179.1
 # (linux 171.4), long-tools 68.0 vs 74.7 (linux 61.7); with only the unchanged copies
 # dropped (before the cold age) long-tools was 76.0 vs 74.2.
@@ -62,6 +62,9 @@ class Policy:
     trim_in_tool: bool = False
     # A trim that dropped little makes the next wait longer (daemon/coldrule.py, pace_s).
     trim_backoff: bool = True
+    # A tool call's resume continues the vCPUs first and puts the hot set back beside the
+    # call (Lifecycle.exec); off: the hot set first, as ``azq resume`` always does.
+    prefetch_beside: bool = True
 
     @property
     def compresses(self) -> bool:
@@ -78,6 +81,7 @@ POLICIES: dict[str, Policy] = {p.name: p for p in (
     Policy("agentzip-no-sibling", "cow", compress_on_wait=True, use_siblings=False, trim_in_tool=True),
     Policy("agentzip-no-trim", "cow", compress_on_wait=True),
     Policy("agentzip-steady-trims", "cow", compress_on_wait=True, trim_in_tool=True, trim_backoff=False),
+    Policy("agentzip-prefetch-first", "cow", compress_on_wait=True, trim_in_tool=True, prefetch_beside=False),
     Policy("agentzip-pressure", "cow", pressure=True, prefetch=False),
 )}
 

@@ -129,24 +129,28 @@ def test_store_full_at_commit_abandons_the_compression(template: str, daemon: di
 
 
 # -- the resume path ---------------------------------------------------------------------
-# (ram mode, point, state the restarted daemon reports before the test resumes it)
+# (ram mode, point, state the restarted daemon reports before the test resumes it); "exec:":
+# the resume of a tool call under agentzip (vCPUs first, the hot set beside the call).
 RESUME_POINTS = [
     ("lazy", "after-prefetch", "compressed"), ("cow", "after-prefetch", "compressed"),
     ("eager", "before-prefetch", "compressed"), ("lazy", "after-vcpu-resume", "running"),
     ("cow", "after-reattach", "compressed"), ("lazy", "after-reattach", "compressed"),
-    ("eager", "after-pause", "compressed")]
+    ("eager", "after-pause", "compressed"), ("cow", "exec:after-prefetch", "running")]
 
 
 @pytest.mark.parametrize(("ram_mode", "point", "state_after"), RESUME_POINTS)
 def test_manager_killed_during_resume_loses_no_page(template: str, daemon: dict, ram_mode: str, point: str,
                                                     state_after: str) -> None:
     """Kill -9 the manager on the resume path (after the hot set is back, after the vCPUs
-    continue, while a restarted manager reassigns the stored pages to their sources) or right
-    after a compression paused the vCPUs: the next manager reports the sandbox ``compressed``
-    (or ``running``), serves every page, the guest's md5 and checker agree, and the sandbox
-    compresses and resumes again."""
+    continue, while a restarted manager reassigns the stored pages to their sources; or after
+    the hot set came back beside a tool call) or right after a compression paused the vCPUs:
+    the next manager reports the sandbox ``compressed`` (or ``running``), serves every page,
+    the guest's md5 and checker agree, and the sandbox compresses and resumes again."""
+    via_exec = point.startswith("exec:")
+    point = point.removeprefix("exec:")
     c = Client()
-    (rec,) = c.clone(template=template, count=1, name_prefix=f"rcrash{ram_mode}-", ram_mode=ram_mode)
+    (rec,) = c.clone(template=template, count=1, name_prefix=f"rcrash{ram_mode}-", ram_mode=ram_mode,
+                     policy="agentzip" if via_exec else "manual", grace_s=3600.0)
     name = rec.name
     try:
         code, _ = sh(name, "head -c 20000000 /dev/urandom > /tmp/blob; md5sum /tmp/blob > /tmp/blob.md5")
@@ -169,6 +173,8 @@ def test_manager_killed_during_resume_loses_no_page(template: str, daemon: dict,
             with pytest.raises(AzqemuError):
                 if point == "after-pause":
                     c.compress(name=name)
+                elif via_exec:
+                    c.exec(name=name, argv=["/bin/true"])
                 else:
                     c.resume(name=name, prefetch=True)
             assert daemon["proc"].wait(60) == -signal.SIGKILL

@@ -524,3 +524,25 @@ def test_exec_of_a_sandbox_without_agent_keeps_state_running(life: Lifecycle, rr
     with pytest.raises(AgentError):
         life.exec("n-0", ["true"])
     assert rreg.state_of("n-0") == ("running", None) and rreg.slot("n-0").execs == 0
+
+
+@pytest.mark.parametrize(("policy", "vcpus_at_prefetch"), [("agentzip", "running"),
+                                                           ("agentzip-prefetch-first", "paused")])
+def test_a_tool_calls_resume_puts_the_hot_set_back_beside_the_call_or_first(
+        life: Lifecycle, rreg: RecordingRegistry, smem: SteppedMemory, monkeypatch: pytest.MonkeyPatch,
+        policy: str, vcpus_at_prefetch: str) -> None:
+    life.clone_batch("base", names=["b-0"], policy=policy)
+    life.compress("b-0")
+    seen: list[tuple[str, str]] = []
+    prefetch = smem.prefetch
+
+    def watched(name: str, *, hot: bool, call: int | None = None) -> dict[str, Any]:
+        seen.append((life.reg.domain(name).state(), threading.current_thread().name))
+        return prefetch(name, hot=hot, call=call)
+    monkeypatch.setattr(smem, "prefetch", watched)
+    res = life.exec("b-0", ["true"])
+    assert [s for s, _ in seen] == [vcpus_at_prefetch]
+    assert seen[0][1].startswith("azq-resume") == (vcpus_at_prefetch == "running")    # beside: its own thread
+    assert res["prefetched_pages"] == 3 and res["exit_code"] == 0      # joined before the call returned
+    assert rreg.state_of("b-0")[0] == "running"
+    life.destroy("b-0")

@@ -15,28 +15,29 @@ def test_unknown_policy_is_refused_with_the_known_ones() -> None:
         policy.get("zswap")
     assert str(err.value) == ("unknown policy 'zswap' (one of: manual, none, none-cow, linux, agentzip, "
                               "agentzip-no-prefetch, agentzip-no-sibling, agentzip-no-trim, agentzip-steady-trims, "
-                              "agentzip-pressure)")
+                              "agentzip-prefetch-first, agentzip-pressure)")
 
 
 def test_each_policy_does_what_its_row_says() -> None:
     acts = {name: (p.clone_mode, p.compress_on_wait, p.linux_reclaim, p.pressure, p.prefetch, p.use_siblings,
-                   p.trim_in_tool, p.trim_backoff)
+                   p.trim_in_tool, p.trim_backoff, p.prefetch_beside)
             for name, p in policy.POLICIES.items()}
     assert acts == {
-        "manual": ("lazy", False, False, False, True, True, False, True),
-        "none": ("eager", False, False, False, True, True, False, True),
-        "none-cow": ("cow", False, False, False, True, True, False, True),
-        "linux": ("cow", False, True, False, True, True, False, True),
-        "agentzip": ("cow", True, False, False, True, True, True, True),
-        "agentzip-no-prefetch": ("cow", True, False, False, False, True, True, True),
-        "agentzip-no-sibling": ("cow", True, False, False, True, False, True, True),
-        "agentzip-no-trim": ("cow", True, False, False, True, True, False, True),
-        "agentzip-steady-trims": ("cow", True, False, False, True, True, True, False),
-        "agentzip-pressure": ("cow", False, False, True, False, True, False, True),
+        "manual": ("lazy", False, False, False, True, True, False, True, True),
+        "none": ("eager", False, False, False, True, True, False, True, True),
+        "none-cow": ("cow", False, False, False, True, True, False, True, True),
+        "linux": ("cow", False, True, False, True, True, False, True, True),
+        "agentzip": ("cow", True, False, False, True, True, True, True, True),
+        "agentzip-no-prefetch": ("cow", True, False, False, False, True, True, True, True),
+        "agentzip-no-sibling": ("cow", True, False, False, True, False, True, True, True),
+        "agentzip-no-trim": ("cow", True, False, False, True, True, False, True, True),
+        "agentzip-steady-trims": ("cow", True, False, False, True, True, True, False, True),
+        "agentzip-prefetch-first": ("cow", True, False, False, True, True, True, True, False),
+        "agentzip-pressure": ("cow", False, False, True, False, True, False, True, True),
     }
     assert {n for n, p in policy.POLICIES.items() if p.compresses} == {
         "agentzip", "agentzip-no-prefetch", "agentzip-no-sibling", "agentzip-no-trim", "agentzip-steady-trims",
-        "agentzip-pressure"}
+        "agentzip-prefetch-first", "agentzip-pressure"}
 
 
 def test_the_documented_table_lists_every_policy_with_its_clone_mode() -> None:
