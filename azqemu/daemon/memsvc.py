@@ -39,7 +39,6 @@ from azqemu.daemon.sandboxmem import SandboxMemory
 from azqemu.daemon.supervisor import FaultSupervisor, SupervisedMemory
 from azqemu.errors import ConfigError, RestoreError, StoreCorrupt, StoreError, StoreForeign
 from azqemu.host import selfmem, threads
-from azqemu.host.threads import name_os_thread
 from azqemu.memory.crashpoint import crash_point
 from azqemu.memory.persist import STORE_FILE, read_store
 from azqemu.memory.store import PageStore
@@ -438,7 +437,7 @@ class MemoryService:
         with self._beside_lock:
             if self._beside is None:
                 self._beside = ThreadPoolExecutor(max_workers=BESIDE_THREADS, thread_name_prefix="azq-resume",
-                                                  initializer=name_os_thread)
+                                                  initializer=threads.name_os_thread)
             return self._beside.submit(run)
 
     def memstats(self, name: str, *, reset: bool) -> dict[str, Any]:
