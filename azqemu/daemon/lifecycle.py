@@ -39,7 +39,7 @@ from typing import Any
 
 from azqemu.agent import GuestAgent, OutputSink
 from azqemu.daemon.eventlog import Publish, discard
-from azqemu.daemon.memsvc import MemoryService
+from azqemu.daemon.memsvc import MemoryService, unrestorable_reason
 from azqemu.daemon.registry import Registry
 from azqemu.daemon.requests import MAX_CLONES_PER_REQUEST
 from azqemu.daemon.states import TRANSIENT, Slot, State
@@ -369,7 +369,7 @@ class Lifecycle:
         except (StoreError, RestoreError) as exc:
             if isinstance(exc, (StoreError, PageUnavailable)):
                 # A page the guest needs cannot be produced: it would wait on it for ever.
-                slot.fail(f"resume could not put its pages back: {type(exc).__name__}: {exc}")
+                slot.fail(unrestorable_reason(exc))
             else:
                 with contextlib.suppress(SandboxStateError):
                     slot.to(State.COMPRESSED)

@@ -56,6 +56,11 @@ log = logging.getLogger(__name__)
 BESIDE_THREADS = 8
 
 
+def unrestorable_reason(exc: BaseException) -> str:
+    """A sandbox's failed reason when a resume cannot put its pages back (before or beside its vCPUs)."""
+    return f"resume could not put its pages back: {type(exc).__name__}: {exc}"
+
+
 class MemoryService:
     def __init__(self, cfg: config_mod.Config, templates: TemplateRepo, sandboxes: SandboxRepo, *,
                  lazy_available: bool) -> None:
@@ -426,7 +431,7 @@ class MemoryService:
                 out = self.prefetch(name, hot=hot, call=call)
             except (StoreError, PageUnavailable) as exc:
                 if self.on_failed is not None:
-                    self.on_failed(name, f"resume could not put its pages back: {type(exc).__name__}: {exc}")
+                    self.on_failed(name, unrestorable_reason(exc))
                 raise
             except Exception as exc:  # noqa: BLE001 - the call goes on; its faults tell
                 log.warning("%s: hot set not put back beside the call (first touch serves it): %s: %s",

@@ -42,10 +42,11 @@ DEFAULT_GRACE_S = 1.0
 # TRIM_EVERY_S after, a trim drops the copies left alone for the sandbox's cold age
 # (daemon/coldrule.py: 2 s, adapted to how many dropped pages come back): those equal to
 # their stored entries, and written ones whose hash has not moved (encoded first). A trim
-# scans, hashes and encodes beside the guest and pauses its vCPUs only to check and drop. Measured on 4 x 512 MiB, small scale, in one run
-# each against agentzip-no-trim (owned MiB, linux beside): long-lived-heap 125.8 vs 179.1
-# (linux 171.4), long-tools 68.0 vs 74.7 (linux 61.7); with only the unchanged copies
-# dropped (before the cold age) long-tools was 76.0 vs 74.2.
+# scans, hashes and encodes beside the guest and pauses its vCPUs only to check and drop.
+# Measured on 4 x 512 MiB, small scale, in one run each against agentzip-no-trim (owned
+# MiB, linux beside): long-lived-heap 125.8 vs 179.1 (linux 171.4), long-tools 68.0 vs 74.7
+# (linux 61.7); with only the unchanged copies dropped (before the cold age) long-tools was
+# 76.0 vs 74.2.
 TRIM_AFTER_S = 2.0
 TRIM_EVERY_S = 2.0
 
