@@ -13,8 +13,8 @@ and only then punch the stored pages out of the memfd: a manager killed at any p
 into a store that holds every page QEMU no longer has. A flush that finds no room
 (``StoreFull``) abandons the compression before anything is dropped. Resume: put the hot
 set back with UFFDIO_COPY in bulk, continue the vCPUs, serve the rest on first touch. A
-resume that arrives while a compression runs cancels it between two steps; pages encoded
-but not yet punched are dropped from the store (their resident copy is the truth).
+resume that arrives while a compression runs cancels it between two steps; the resident
+copies stay the truth (a copy-on-write clone keeps the entries made: ``_keep_entries``).
 
 Copy-on-write clones (a MAP_PRIVATE mapping of the template's RAM image, ``RamMapping.private``)
 keep everything the guest only read in the template's page cache, shared. Compress reads
@@ -24,12 +24,8 @@ them, registers the range in MISSING+MINOR mode and has QEMU drop the copies
 mapped again at once, from the template's page cache (UFFDIO_CONTINUE) or to the zero page
 (written pages that came out equal to the template's or zero; at the first compression the
 untouched pages in 2 MiB spans that have a page table, the rest on first touch): no copy,
-no memory of the sandbox's own. Resume copies the hot stored pages back.
-
-Known race, accepted: with the vCPUs paused, QEMU's device threads could still write guest
-RAM (virtio DMA) between the scan and the punch of a page, and that write would be lost.
-azqemu's guests have no network and only the agent channels, unused while compressed.
-A real fix is QEMU's dirty bitmap around the punch (a later QEMU patch).
+no memory of the sandbox's own. Resume copies the hot stored pages back. A known race
+(a device writing guest RAM between the scan and the drop): docs/memory.md, "Known limits".
 """
 
 from __future__ import annotations
@@ -118,9 +114,9 @@ class SandboxMemory:
         self._template_src: TemplateSource | None = None if self.cow else TemplateSource(template_ram)
         self._store_src = StoreSource(store, name)
         # What a page nobody stored is: the template's page cache itself (copy-on-write),
-        # the template image's bytes (lazy clone), or zero (eager clone).
+        # the template image's bytes (lazy clone), or zero (eager clone); copy-on-write,
+        # pages known to be zero are mapped to the zero page (_zero_src), not copied.
         self._unstored: PageSource = ZeroSource()
-        # Copy-on-write: pages known to be zero are mapped to the zero page, not copied.
         self._zero_src = ZeroSource()
         if self.cow:
             self._unstored = MappedSource()
@@ -144,8 +140,8 @@ class SandboxMemory:
             else:
                 # A restarted manager: pages stored before it died come from the store again.
                 self.sources.assign(store.stored_pages(name), self._store_src)
-        # No bound method: a cycle would keep a destroyed sandbox's maps until a full gc.
-        # Only the main RAM block is registered; other blocks (if any) get zero sources.
+        # No bound method (a cycle would keep a destroyed sandbox's maps until a full gc);
+        # only the main RAM block is registered, others (if any) get zero sources.
         blocks = [self.sources if b is self.block else ZeroSource(b.page_size) for b in self.handle.blocks]
         self.handler = FaultHandler(self.handle, blocks, on_error=partial(_on_error, name),
                                     name=f"azq-faults-{name}")
@@ -155,9 +151,7 @@ class SandboxMemory:
         self.hot_idx = np.empty(0, dtype=np.int64)
         self._prefetched_idx = np.empty(0, dtype=np.int64)
         self.calls = CallKinds(pages)      # the hot set per kind of tool call
-        # Written copies the last trim saw, with their hashes (a copy whose hash has not moved
-        # is cold for writing) and whether they were incompressible (not tried again).
-        self._history = CopyHistory()
+        self._history = CopyHistory()    # written copies the last trim saw (coldrule.py)
         self._resumed_at = 0.0                              # monotonic s of the last prefetch
         self.cold = ColdRule()
         self._trimmed_at = 0.0                              # monotonic s of the last trim
@@ -217,13 +211,15 @@ class SandboxMemory:
                 st: CompressStats | None = None, scratch: Scratch | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Encode (indices, pages) chunks into the store. Returns (stored, raw) page indices.
         ``hot_idx``: pages the next resume wants first (lazy clones: the cheap-to-decode codec).
-        A failure (StoreFull, a cancel) forgets what earlier chunks encoded and raises: nothing
-        was dropped yet, so the resident copies are the truth."""
+        A failure (StoreFull) forgets what earlier chunks encoded and raises: nothing was
+        dropped yet, so the resident copies are the truth. So does a cancel, but a copy-on-write
+        clone keeps the entries (``_keep_entries``): the CPU spent on them is not lost."""
         stored: list[np.ndarray] = []
         raw: list[np.ndarray] = []
         try:
             for part, pages in parts:
                 self._check_cancel()
+                fail_point("encode-chunk", lambda: CompressCancelled(self.name))   # as a resume does
                 hot = None if hot_idx is None else in_sorted(part, hot_idx)
                 res = self.store.encode(self.name, self.sharing_domain, part, pages, self.template,
                                         use_siblings=self.use_siblings, hot=hot, owner=self.owner, scratch=scratch)
@@ -231,6 +227,10 @@ class SandboxMemory:
                 raw.append(res.raw_idx.astype(np.int64))
                 if st is not None:
                     st.add_encoded(res.pages, res.bytes, res.tries)
+        except CompressCancelled:
+            if stored:
+                self._keep_entries(np.concatenate(stored))
+            raise
         except BaseException:
             if stored:
                 self.store.discard(self.name, np.concatenate(stored))
@@ -253,13 +253,10 @@ class SandboxMemory:
             st.scan_s = time.perf_counter() - t0
             self._check_cancel()
             # The hot set of the phase that just ended: pages that came back since the last
-            # resume by a fault (read or written) or by the prefetch (without those the set
-            # would flip between two halves from one wait to the next). Untouched prefetched
-            # pages cannot be told apart (no idle-page tracking here): the union of the
-            # working sets seen, less prefetched pages a trim dropped unused. Ageing out by
-            # phases was measured worse (a tool run every few phases paid thousands of
-            # faults). Known before encoding: a lazy clone's store encodes them for decode
-            # speed (PageStore.encode's hot).
+            # resume by a fault or by the prefetch (untouched prefetched pages cannot be told
+            # apart here), less prefetched pages a trim dropped unused. Ageing out by phases
+            # was measured worse. Known before encoding: a lazy clone's store encodes them for
+            # decode speed (PageStore.encode's hot).
             faulted = self.handler.hot_pages(self._block_index).astype(np.int64)
             hot_idx = np.union1d(faulted, self._prefetched_idx)
             if self.cow:
@@ -282,8 +279,8 @@ class SandboxMemory:
                         kept.append(part[same])
                         part, pages = without_rows(part, pages, same, scratch)
                     yield part, pages
-            # Copy-on-write: a resume copies back only stored pages (a few thousand, ms with
-            # zstd): kept small, not fast (LZ4). Lazy clones bring back their working set.
+            # Copy-on-write: hot pages are kept small, not fast (a resume copies back a few
+            # thousand stored pages). Lazy clones bring back their whole working set.
             enc_stored, enc_raw = self._encode(changed(), None if self.cow else hot_idx, st, scratch)
             unchanged = np.concatenate(kept) if kept else np.empty(0, dtype=np.int64)
             done = np.concatenate(taken) if taken else np.empty(0, dtype=np.int64)
@@ -313,10 +310,11 @@ class SandboxMemory:
                 else:
                     self._punch(stored)
             except CompressCancelled as cancel:
-                # Pages not punched yet are still resident: drop their stored copies.
+                # Pages not dropped yet are still resident (their entries kept copy-on-write).
                 left = stored[cancel.done:]
-                self.store.discard(self.name, left)
-                self.sources.assign(left, self._unstored)
+                self._keep_entries(left)
+                if not self.cow:
+                    self.sources.assign(left, self._unstored)
                 st.cancelled = True
             st.mapped_pages = self._settle(free, mapped=self.cow and not st.cancelled, dropped=dropped,
                                            commit=st.cancelled)
@@ -327,6 +325,17 @@ class SandboxMemory:
             self.compress_s_total += st.total_s
             self.last_compress = st
             return st
+
+    def _keep_entries(self, encoded: np.ndarray) -> None:
+        """Cancelled, nothing dropped: a copy-on-write clone keeps the entries made; its next
+        compression or trim drops the copies still equal to them (``entries_match``) without
+        encoding again, written ones are encoded anew (an entry is never served while its
+        page is resident). Durable at the next drop, which commits first. Zero and template
+        entries never match, nor does a lazy clone's: forgotten."""
+        kinds = self.store.page_kinds(self.name, encoded) if self.cow else None
+        free = encoded if kinds is None else encoded[(kinds == Kind.TEMPLATE) | (kinds == Kind.ZERO)]
+        if len(free):
+            self.store.discard(self.name, free)
 
     def _commit(self, encoded: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Make this round's entries durable before any page is dropped. Returns the pages
@@ -358,8 +367,7 @@ class SandboxMemory:
         Returns the pages mapped."""
         n = self._map_unstored(dropped) if mapped else 0
         if len(free):
-            # Mapped now (or, cancelled, still resident): their entries can go. Kept durable through
-            # the DISCARD: a manager killed before the mapping serves them from the store.
+            # Mapped now (or still resident): entries kept durable through the DISCARD go.
             self.store.discard(self.name, free)
         if commit:
             try:
@@ -387,19 +395,16 @@ class SandboxMemory:
 
     def _trim(self, stop: Callable[[], bool] | None,
               paused: Callable[[], AbstractContextManager[object]]) -> TrimStats:
-        """Copy-on-write, in a tool call: drop the copies the guest is not using, so that a
-        long tool call holds what it works on (docs/policies.md, on trims). Two kinds go, neither
-        faulted back since the last compression (a page that did is in use): copies still
-        equal to their stored entries, and written copies whose hash has not moved across
-        trims (encoded and committed durable first; incompressible ones stay). Both left alone
-        for ``self.cold.after_s`` at least; the share of dropped pages that fault back adapts
-        it (coldrule.py). Scan, hashing, encoding and commit run beside the guest; only the
-        drop runs in ``paused()``, and only of copies that still hash as they were read (one
-        written meanwhile stays: its entry, if any, is never served while it is resident)."""
+        """Copy-on-write, in a tool call: drop the copies the guest is not using (docs/policies.md,
+        on trims), neither faulted back since the last compression: copies still equal to
+        their stored entries, and written copies whose hash has not moved across trims
+        (encoded and committed durable first; incompressible ones stay), both left alone for
+        ``self.cold.after_s`` at least (coldrule.py). Scan, hashing, encoding and commit run
+        beside the guest; only the drop runs in ``paused()``, of copies that still hash as
+        they were read (one written meanwhile stays)."""
         st, t0 = TrimStats(), time.perf_counter()
         with self._lock:
-            # A cancel left over from the last resume must not stop this one; a destroy or a
-            # resume that arrives from now on stops it before anything is dropped.
+            # Not stopped by a cancel left from the last resume; one from now on stops it.
             self._cancel.clear()
             self._stop_test = stop
             if not self.cow or not self.registered or self.compressed or self.name not in self.store.sandboxes():
@@ -452,6 +457,8 @@ class SandboxMemory:
                     st.encoded_pages, st.stored_pages = len(encoded), len(stored)
                     raw |= in_sorted(idx, enc_raw)
                 same = np.concatenate(same_parts) if same_parts else np.empty(0, dtype=np.int64)
+                if len(same):
+                    self.store.flush()      # entries kept from a cancel are durable before their drop
                 self.sources.assign(same, self._store_src)
                 drop = np.union1d(same, np.setdiff1d(encoded, enc_raw))
                 with paused() if len(drop) else nullcontext():      # nothing to drop: no pause
@@ -465,12 +472,10 @@ class SandboxMemory:
                     self._settle(free, mapped=len(free) > 0, dropped=drop, commit=False)
                     st.paused_s = time.perf_counter() - t2
             except CompressCancelled:
-                # A resume or destroy asked first: nothing was dropped, every page is still
-                # resident; the store forgets what this trim encoded.
+                # A resume or destroy came first: nothing dropped, the entries stay (_keep_entries).
                 drop = np.empty(0, dtype=np.int64)
                 if st.encoded_pages:
-                    self.store.discard(self.name, encoded)
-                    self.sources.assign(encoded, self._unstored)
+                    self._keep_entries(encoded)
                     self._settle(np.empty(0, dtype=np.int64), mapped=False)
                 st.encoded_pages = st.stored_pages = 0
             kept = ~in_sorted(idx, drop)
@@ -512,11 +517,10 @@ class SandboxMemory:
             crash_point("after-discard-batch")
 
     def _unstore_free_pages(self, stored: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Copy-on-write: written pages whose bytes are the template's again, or zero,
-        need no entry: mapped from the template's page cache or to the zero page they cost
-        nothing until the guest writes them. Returns the pages left in the store and those
-        free pages, whose entries the caller discards once they are mapped (until then the
-        store is the only durable record that a discarded page was zero, not the template's)."""
+        """Copy-on-write: written pages that are the template's again, or zero, need no entry
+        (mapped, they cost nothing). Returns the pages left in the store and those free pages,
+        whose entries the caller discards once they are mapped (until then the store is the
+        only durable record that a discarded page was zero, not the template's)."""
         kinds = self.store.page_kinds(self.name, stored)
         same, zero = stored[kinds == Kind.TEMPLATE], stored[kinds == Kind.ZERO]
         self.sources.assign(same, self._unstored)
@@ -525,17 +529,13 @@ class SandboxMemory:
         return stored[keep], np.union1d(same, zero).astype(np.int64)
 
     def _discard_copies(self, pages: np.ndarray) -> None:
-        """Copy-on-write: have QEMU drop these copies (madvise in runs, many runs per
-        request); the range is registered, so a later touch comes to the handler.
-        Cancellable only before the first madvise (the pages dropped are then no prefix of
-        ``stored``)."""
+        """Copy-on-write: have QEMU drop these copies (the range is registered: a later touch
+        comes to the handler). Cancellable only before the first madvise (the pages dropped
+        are then no prefix of ``stored``)."""
         self._check_cancel()
-        starts, lengths = page_runs(np.asarray(pages, dtype=np.int64))
-        ranges = [(self.block.hva + s * PAGE_SIZE, n * PAGE_SIZE)
-                  for s, n in zip(starts.tolist(), lengths.tolist(), strict=True)]
-        if ranges:
+        if len(pages):
             with UffdExport(self._uffd_socket, EXPORT_CONNECT_TIMEOUT_S) as export:
-                export.discard_ranges(ranges)
+                export.discard_pages(self.block, pages)
             crash_point("after-discard-batch")
         self.handler.reset_discarded()    # our own madvise's REMOVE events: not the guest's
 

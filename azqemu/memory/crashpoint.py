@@ -38,6 +38,8 @@ the caller's error at the n-th hit and the k-1 hits after it (default: n=1, k=1)
                               as ENOSPC would give); k=2 also defeats the retry on the reserve
     flush-before-drop         sandboxmem: the flush that must commit a compression's pages
                               before QEMU drops them fails (StoreFull); only compressions hit it
+    encode-chunk              sandboxmem: a compression or trim is cancelled before it encodes
+                              its next chunk of pages (CompressCancelled, as a resume's cancel)
 """
 
 from __future__ import annotations

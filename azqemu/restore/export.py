@@ -22,9 +22,12 @@ import time
 from dataclasses import dataclass, field
 from types import TracebackType
 
+import numpy as np
+
 from azqemu.errors import RestoreError
 from azqemu.host import threads
 from azqemu.host.procfs import RAM_MEMFD_NAMES
+from azqemu.pages import page_runs
 from azqemu.restore import uffd
 from azqemu.restore import uffd_abi as abi
 from azqemu.restore.errors import ExportProtocolError, ExportRefused, ExportUnavailable, UffdIoctlError
@@ -361,6 +364,12 @@ class UffdExport:
         EVENT_REMOVE, QEMU's madvise waits until a fault handler has read the REMOVE event:
         keep the handler running across this call."""
         self.discard_ranges([(hva, size_bytes)])
+
+    def discard_pages(self, block: RamMapping, pages: np.ndarray) -> int:
+        """DISCARD of these pages (indices into ``block``), in runs; returns the requests made."""
+        starts, lengths = page_runs(np.asarray(pages, dtype=np.int64))
+        return self.discard_ranges([(block.hva + s * block.page_size, n * block.page_size)
+                                    for s, n in zip(starts.tolist(), lengths.tolist(), strict=True)])
 
     def discard_ranges(self, ranges: list[tuple[int, int]]) -> int:
         """DISCARD of many (hva, size_bytes) ranges, DISCARD_MAX_RANGES per request;
