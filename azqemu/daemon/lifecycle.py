@@ -331,6 +331,7 @@ class Lifecycle:
             if dom.state() != "paused":
                 dom.suspend()
             slot.user_paused = True
+            self.reg.update_record(name, user_paused=True)    # so that a restarted manager knows
 
     def resume(self, name: str, prefetch: bool = True) -> dict[str, Any]:
         """Continue a sandbox; a compressed one gets its hot set back first."""
@@ -338,6 +339,8 @@ class Lifecycle:
         self.memory.cancel(name)  # a compression in progress stops at its next step
         with self._locked(name, "resume") as slot:
             slot.require("resume", (State.RUNNING, State.COMPRESSED))
+            if slot.user_paused:
+                self.reg.update_record(name, user_paused=False)
             slot.user_paused = False
             return self.resume_locked(name, self.reg.domain(name), prefetch=prefetch)
 

@@ -50,13 +50,15 @@ def settled_state(rec: SandboxRecord, domain_state: str, lost: str | None, *,
         return State.FAILED, "a destroy was interrupted (the manager stopped): destroy it again", False
     if paused and (persisted in PAUSED_BY_AZQ or (adopted and stored)):
         return State.COMPRESSED, None, False
-    return State.RUNNING, None, paused
+    # A running sandbox found paused: its user's pause, unless the record says it was not (a
+    # trim pauses the vCPUs without a state of its own); records from before: its user's.
+    return State.RUNNING, None, paused and rec.user_paused is not False
 
 
 def reconcile(reg: Registry, memory: MemoryService) -> dict[str, list[str]]:
     """Make records agree with libvirt; returns what changed (kept, dropped, adopted, removed)."""
     report: dict[str, list[str]] = {"kept": [], "dropped": [], "adopted": [], "removed": [], "freed": [],
-                                    "failed": []}
+                                    "failed": [], "continued": []}
     reg.templates.remove_stale_builds()
     state_dir = str(reg.cfg.state_dir)
     running: dict[str, tuple[Domain, dict[str, str]]] = {}
@@ -107,6 +109,14 @@ def reconcile(reg: Registry, memory: MemoryService) -> dict[str, list[str]]:
         state, reason, user_paused = settled_state(rec, dom.state(), memory.failed.get(name),
                                                    stored=memory.has_stored(name), adopted=adopted)
         reg.settle(name, state, reason, user_paused=user_paused)
+        if state is State.RUNNING and not user_paused and dom.state() == "paused":
+            # Paused by the manager that stopped (a trim's drop): it runs again, its memory
+            # served (attached above), as it did before.
+            try:
+                dom.resume()
+                report["continued"].append(name)
+            except AzqemuError as exc:
+                log.error("cannot continue %s, paused by the manager that stopped: %s", name, exc)
         if state is State.FAILED:
             report["failed"].append(name)
             log.error("sandbox %s is failed: %s", name, reason)

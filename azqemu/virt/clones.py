@@ -60,6 +60,9 @@ class SandboxRecord:
     state: str = "running"    # lifecycle state (azqemu/daemon/states.py), kept by the daemon
     failed_reason: str | None = None   # why it is ``failed``
     qemu_uid: int | None = None   # the uid its QEMU runs as (identity.allocate_qemu_ids)
+    # Paused by its user (azq pause): a restarted manager leaves it paused, and continues a
+    # sandbox that its predecessor paused for a trim. None: a record from before this was kept.
+    user_paused: bool | None = None
     # The orchestrator's labels and the unix time its time to live ends (daemon/tags.py).
     labels: dict[str, str] = field(default_factory=dict)
     expires_at: float | None = None
@@ -179,7 +182,7 @@ def clone_one(host: Host, tmpl: TemplateMeta, name: str, *, sharing_domain: str,
         rec = SandboxRecord(name=name, template=tmpl.name, sharing_domain=sharing_domain,
                             ram_mode=ram_mode, uuid=ident.uuid, created_at=time.time(),
                             clone_s=time.monotonic() - t0, policy=policy, grace_s=grace_s,
-                            qemu_uid=qemu_ids.uid if qemu_ids is not None else None)
+                            qemu_uid=qemu_ids.uid if qemu_ids is not None else None, user_paused=False)
         repo.save(rec)
         return rec
     except BaseException:

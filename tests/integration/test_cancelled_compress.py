@@ -2,7 +2,8 @@
 cancels it) drops nothing and keeps the entries it made (SandboxMemory._keep_entries): the
 next trim drops the copies still equal to them without encoding them again, after committing
 them, and the guest's bytes stay exact across that drop, a manager restart and a full
-compress/resume cycle. Before, the store forgot them and the CPU spent on them was lost."""
+compress/resume cycle. Before, the store forgot them and the CPU spent on them was lost.
+A manager killed inside a trim's pause leaves a sandbox its successor continues."""
 
 from __future__ import annotations
 
@@ -52,6 +53,22 @@ def test_a_cancelled_compression_keeps_its_entries_and_the_guest_its_bytes(templ
         daemon["proc"] = _start()
         md5_ok(name)
         rounds = wait_rounds(name, "k", rounds, timeout_s=180)
+        # Killed inside a trim's pause, after its drop: the vCPUs stay paused until a manager
+        # continues them. The record tells that pause from its user's (azq pause): the
+        # restarted manager continues the sandbox.
+        _restart(daemon, crash_at="after-discard-batch", fail_at=CANCEL_AT)
+        with pytest.raises(AzqemuError, match="cancelled"):
+            c.compress(name=name)
+        md5_ok(name)
+        rounds = wait_rounds(name, "k", rounds)
+        with pytest.raises(AzqemuError):
+            c.trim(name=name)
+        assert daemon["proc"].wait(60) == -signal.SIGKILL
+        daemon["proc"] = _start()
+        assert c.dominfo(name=name).state == "running"
+        md5_ok(name)
+        rounds = wait_rounds(name, "k", rounds, timeout_s=180)
+
         st = c.compress(name=name)
         assert not st.cancelled and st.stored_pages > 0, st
         c.resume(name=name)

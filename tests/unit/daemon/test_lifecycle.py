@@ -42,7 +42,7 @@ class FakeClone:
         dom = host.add(name, self.meta_of(template=tmpl.name, ram_mode=ram_mode, sharing_domain=sharing_domain))
         vm_paths(name).vm_dir.mkdir(parents=True)
         rec = SandboxRecord(name=name, template=tmpl.name, sharing_domain=sharing_domain, ram_mode=ram_mode,
-                            uuid=dom.uuid, created_at=0.0, policy=policy, grace_s=grace_s)
+                            uuid=dom.uuid, created_at=0.0, policy=policy, grace_s=grace_s, user_paused=False)
         repo.save(rec)
         return rec
 
@@ -133,7 +133,9 @@ def test_destroy_forgets_everything_of_the_sandbox(life: Lifecycle, registry: Re
 def test_exec_refuses_a_sandbox_its_user_paused_and_starts_a_wait(life: Lifecycle, registry: Registry,
                                                                   host: Any, template: TemplateMeta) -> None:
     life.clone_batch("base", names=["e-0"], policy="agentzip")
+    assert registry.record("e-0").user_paused is False
     life.pause("e-0")
+    assert registry.record("e-0").user_paused is True      # a restarted manager leaves it paused
     with pytest.raises(DomainStateError) as err:
         life.exec("e-0", ["true"])
     assert (err.value.state, err.value.required) == ("paused", "running")
@@ -142,6 +144,8 @@ def test_exec_refuses_a_sandbox_its_user_paused_and_starts_a_wait(life: Lifecycl
     assert (ph.phase, ph.source) == ("wait", "exec")  # the end of the call starts a wait
     with pytest.raises(ConfigError, match="no command given"):
         life.exec("e-0", [])
+    life.resume("e-0")
+    assert registry.record("e-0").user_paused is False and host.doms["e-0"].state() == "running"
 
 
 def test_compress_without_userfaultfd_is_refused_and_leaves_the_sandbox_running(

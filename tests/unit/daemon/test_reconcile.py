@@ -32,8 +32,10 @@ class RecordingMemory(MemoryService):
         return name in self.compressed_names
 
 
-def _record(name: str, policy: str = "manual", grace_s: float = 1.0, state: str = "running") -> SandboxRecord:
-    return SandboxRecord(name, "base", "default", "eager", "u", 0.0, policy=policy, grace_s=grace_s, state=state)
+def _record(name: str, policy: str = "manual", grace_s: float = 1.0, state: str = "running",
+            user_paused: bool | None = None) -> SandboxRecord:
+    return SandboxRecord(name, "base", "default", "eager", "u", 0.0, policy=policy, grace_s=grace_s, state=state,
+                         user_paused=user_paused)
 
 
 def test_records_follow_libvirt(registry: Registry, memory: MemoryService, host: Any, cfg: Any,
@@ -50,7 +52,8 @@ def test_records_follow_libvirt(registry: Registry, memory: MemoryService, host:
     report = reconcile(registry, memory)
 
     assert report == {"kept": ["kept"], "dropped": ["vanished"], "adopted": ["orphan"],
-                      "removed": ["azq-template-x"], "freed": [], "failed": []}
+                      "removed": ["azq-template-x"], "freed": [], "failed": [],
+                      "continued": []}
     with pytest.raises(SandboxNotFound):
         registry.record("vanished")
     assert not vm_paths("vanished").vm_dir.exists()
@@ -91,4 +94,22 @@ def test_a_second_reconcile_changes_nothing(registry: Registry, memory: MemorySe
     first = reconcile(registry, memory)
     second = reconcile(registry, memory)
     assert first["adopted"] == ["a"]
-    assert second == {"kept": ["a"], "dropped": [], "adopted": [], "removed": [], "freed": [], "failed": []}
+    assert second == {"kept": ["a"], "dropped": [], "adopted": [], "removed": [], "freed": [], "failed": [],
+                      "continued": []}
+
+
+def test_a_sandbox_paused_by_a_trim_of_a_manager_that_died_runs_again(
+        registry: Registry, memory: MemoryService, host: Any, sandbox_meta_of: Any, template: TemplateMeta) -> None:
+    """A trim pauses the vCPUs for its drop without a state of its own: a manager killed there
+    left a running sandbox paused. The record says whether its user paused it (azq pause)."""
+    trimmed = host.add("trimmed", sandbox_meta_of(ram_mode="cow"), state="paused")
+    mine = host.add("mine", sandbox_meta_of(ram_mode="cow"), state="paused")
+    registry.sandboxes.save(_record("trimmed", user_paused=False))
+    registry.sandboxes.save(_record("mine", user_paused=True))
+
+    report = reconcile(registry, memory)
+
+    assert report["continued"] == ["trimmed"]
+    assert trimmed.state() == "running" and not registry.slot("trimmed").user_paused
+    assert mine.state() == "paused" and registry.slot("mine").user_paused
+    assert registry.state_of("trimmed") == registry.state_of("mine") == ("running", None)
