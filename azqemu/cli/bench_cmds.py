@@ -116,7 +116,7 @@ def _progress(msg: str) -> None:
 @bench.command("density")
 @click.option("--workload", "workload_name", default="coding-agent", show_default=True,
               help="A built-in workload (coding-agent, data-processing, random-data, long-lived-heap, "
-                   "long-tools, many-small-files) or a workload file.")
+                   "long-tools, many-small-files, service-agent) or a workload file.")
 @click.option("--sandboxes", "-n", default=16, show_default=True, type=int)
 @click.option("--policy", "policies", multiple=True,
               help="Policy to run (repeatable; default: none, none-cow, linux, agentzip).")

@@ -116,7 +116,7 @@ def test_small_scale() -> None:
 
 def test_builtins_load_and_describe_the_template() -> None:
     assert wlmod.builtin_names() == ["coding-agent", "data-processing", "long-lived-heap", "long-tools",
-                                     "many-small-files", "random-data"]
+                                     "many-small-files", "random-data", "service-agent"]
     ca = load("coding-agent")
     assert ca.template.mem_mib == 512 and ca.template.warmup
     assert any("python3 -m unittest -q" in s.tool and f"cd {wlmod.WORKSPACE_DIR}" in s.tool

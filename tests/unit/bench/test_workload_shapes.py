@@ -1,20 +1,23 @@
 """The built-in workloads whose steps need their template's warm-up (long-lived-heap: a
-kernel process started there) run on this host too: warm-up first, then every step, with
-the guest paths pointed at tmp_path (Debian's coreutils and the host's python3)."""
+kernel process started there; service-agent: an HTTP service) run on this host too: warm-up
+first, then every step, with the guest paths pointed at tmp_path (Debian's coreutils and the
+host's python3). What a warm-up started is stopped after."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 from pathlib import Path
 
+import psutil
 import pytest
 
 from azqemu.bench.workload import load
 
 # Guest paths the workloads use -> where they go on this host (under tmp_path).
-GUEST_PATHS = ("/run/kheap", "/tmp/build", "/workspace/mono")
+GUEST_PATHS = ("/run/kheap", "/run/svc", "/tmp/build", "/workspace/mono")
 
 
 def _local(cmd: str, root: Path) -> str:
@@ -23,7 +26,7 @@ def _local(cmd: str, root: Path) -> str:
     return cmd
 
 
-@pytest.mark.parametrize("name", ["long-lived-heap", "long-tools", "many-small-files"])
+@pytest.mark.parametrize("name", ["long-lived-heap", "long-tools", "many-small-files", "service-agent"])
 def test_warmup_then_steps_run_on_this_host(name: str, tmp_path: Path) -> None:
     wl = load(name)
     assert wl.template.warmup, "each new workload has its own template warm-up"
@@ -50,6 +53,16 @@ def test_warmup_then_steps_run_on_this_host(name: str, tmp_path: Path) -> None:
     finally:
         if pidfile.exists():
             os.kill(int(pidfile.read_text()), signal.SIGTERM)
+        _stop_started_in(tmp_path)
+
+
+def _stop_started_in(root: Path) -> None:
+    """Stop the processes a warm-up left running with their directory under ``root``."""
+    for proc in psutil.process_iter(["cwd"]):
+        cwd = proc.info.get("cwd")
+        if cwd and Path(cwd).is_relative_to(root):
+            with contextlib.suppress(psutil.Error):
+                proc.terminate()
 
 
 def test_a_failing_cell_fails_the_tool_call(tmp_path: Path) -> None:
