@@ -155,6 +155,7 @@ class SandboxMemory:
         self._resumed_at = 0.0                              # monotonic s of the last prefetch
         self.cold = ColdRule()
         self._trimmed_at = 0.0                              # monotonic s of the last trim
+        self._kept_unflushed = False      # entries kept from a cancel, not committed yet
         self.last_compress = CompressStats()
         self.last_resume = ResumeStats()
         self.compress_s_total = self.restore_s_total = self.trim_s_total = 0.0
@@ -211,9 +212,8 @@ class SandboxMemory:
                 st: CompressStats | None = None, scratch: Scratch | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Encode (indices, pages) chunks into the store. Returns (stored, raw) page indices.
         ``hot_idx``: pages the next resume wants first (lazy clones: the cheap-to-decode codec).
-        A failure (StoreFull) forgets what earlier chunks encoded and raises: nothing was
-        dropped yet, so the resident copies are the truth. So does a cancel, but a copy-on-write
-        clone keeps the entries (``_keep_entries``): the CPU spent on them is not lost."""
+        A failure forgets what earlier chunks encoded and raises (nothing was dropped: the
+        resident copies are the truth); a cancel hands them to ``_keep_entries``."""
         stored: list[np.ndarray] = []
         raw: list[np.ndarray] = []
         try:
@@ -290,15 +290,14 @@ class SandboxMemory:
             st.encode_s = time.perf_counter() - t1
             st.stored_pages, st.raw_pages = len(enc_stored), len(enc_raw)
             self.hot_idx = hot_idx
-            # Kept for the kinds of call the phase ran; what it created (copies neither prefetched
-            # nor faulted back from the store) comes back for any kind.
+            # Kept for the kinds of call the phase ran; what it created comes back for any kind.
             came_back = np.union1d(self._faulted_from_store(), self._prefetched_idx)
             self.calls.end_phase(hot_idx, np.setdiff1d(idx, came_back))
             self._prefetched_idx = np.empty(0, dtype=np.int64)
             self.handler.reset_hot()
             st.hot_pages = len(self.hot_idx)
-            self._history = CopyHistory()   # trims start again; so does the handler's
-            self.cold.forget_drops()        # fault record (reset_hot above)
+            self._history = CopyHistory()   # trims start again, as does the fault record
+            self.cold.forget_drops()
             stored, free = self._commit(enc_stored)
             self.sources.assign(np.union1d(stored, unchanged), self._store_src)
             t2 = time.perf_counter()
@@ -327,15 +326,15 @@ class SandboxMemory:
             return st
 
     def _keep_entries(self, encoded: np.ndarray) -> None:
-        """Cancelled, nothing dropped: a copy-on-write clone keeps the entries made; its next
+        """Cancelled, nothing dropped: a copy-on-write clone keeps the entries made, and its next
         compression or trim drops the copies still equal to them (``entries_match``) without
-        encoding again, written ones are encoded anew (an entry is never served while its
-        page is resident). Durable at the next drop, which commits first. Zero and template
-        entries never match, nor does a lazy clone's: forgotten."""
+        encoding again (an entry is never served while its page is resident), committing
+        first. Zero and template entries never match, nor does a lazy clone's: forgotten."""
         kinds = self.store.page_kinds(self.name, encoded) if self.cow else None
         free = encoded if kinds is None else encoded[(kinds == Kind.TEMPLATE) | (kinds == Kind.ZERO)]
         if len(free):
             self.store.discard(self.name, free)
+        self._kept_unflushed = self._kept_unflushed or len(free) < len(encoded)
 
     def _commit(self, encoded: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Make this round's entries durable before any page is dropped. Returns the pages
@@ -357,14 +356,14 @@ class SandboxMemory:
             self.store.discard(self.name, encoded.astype(np.int64))
             raise
         crash_point("after-flush")
+        self._kept_unflushed = False
         return stored, free
 
     def _settle(self, free: np.ndarray, *, mapped: bool, dropped: np.ndarray | None = None,
                 commit: bool = True) -> int:
         """After the drop: map what is not stored (copy-on-write; ``dropped``: the pages just
-        discarded), then release the free pages' entries; ``commit``: and commit (a drop that
-        went through leaves that to the next commit: docs/memory.md, "Crash consistency").
-        Returns the pages mapped."""
+        discarded), release the free pages' entries, ``commit`` (else the next commit does:
+        docs/memory.md, "Crash consistency"). Returns the pages mapped."""
         n = self._map_unstored(dropped) if mapped else 0
         if len(free):
             # Mapped now (or still resident): entries kept durable through the DISCARD go.
@@ -457,8 +456,9 @@ class SandboxMemory:
                     st.encoded_pages, st.stored_pages = len(encoded), len(stored)
                     raw |= in_sorted(idx, enc_raw)
                 same = np.concatenate(same_parts) if same_parts else np.empty(0, dtype=np.int64)
-                if len(same):
-                    self.store.flush()      # entries kept from a cancel are durable before their drop
+                if len(same) and self._kept_unflushed:      # durable before their drop
+                    self.store.flush()
+                    self._kept_unflushed = False
                 self.sources.assign(same, self._store_src)
                 drop = np.union1d(same, np.setdiff1d(encoded, enc_raw))
                 with paused() if len(drop) else nullcontext():      # nothing to drop: no pause
