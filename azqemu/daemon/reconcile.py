@@ -106,10 +106,11 @@ def reconcile(reg: Registry, memory: MemoryService) -> dict[str, list[str]]:
             reg.sched[name] = SchedState(policy_mod.get("manual"))
             reg.sandboxes.save(rec)
             report["adopted"].append(name)
-        state, reason, user_paused = settled_state(rec, dom.state(), memory.failed.get(name),
+        dom_state = dom.state()
+        state, reason, user_paused = settled_state(rec, dom_state, memory.failed.get(name),
                                                    stored=memory.has_stored(name), adopted=adopted)
         reg.settle(name, state, reason, user_paused=user_paused)
-        if state is State.RUNNING and not user_paused and dom.state() == "paused":
+        if state is State.RUNNING and not user_paused and dom_state == "paused":
             # Paused by the manager that stopped (a trim's drop): it runs again, its memory
             # served (attached above), as it did before.
             try:

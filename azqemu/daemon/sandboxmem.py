@@ -326,9 +326,8 @@ class SandboxMemory:
             return st
 
     def _keep_entries(self, encoded: np.ndarray) -> None:
-        """Cancelled, nothing dropped: a copy-on-write clone keeps the entries made, and its next
-        compression or trim drops the copies still equal to them (``entries_match``) without
-        encoding again (an entry is never served while its page is resident), committing
+        """Cancelled, nothing dropped: a copy-on-write clone keeps the entries made; its next
+        compression or trim drops the copies still equal to them without encoding, committing
         first. Zero and template entries never match, nor does a lazy clone's: forgotten."""
         kinds = self.store.page_kinds(self.name, encoded) if self.cow else None
         free = encoded if kinds is None else encoded[(kinds == Kind.TEMPLATE) | (kinds == Kind.ZERO)]
@@ -371,6 +370,7 @@ class SandboxMemory:
         if commit:
             try:
                 self.store.flush()
+                self._kept_unflushed = False
             except (StoreError, OSError) as exc:    # the durable generation names resident pages: never served
                 log.warning("%s: store flush after the drop failed: %s", self.name, exc)
         return n
