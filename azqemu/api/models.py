@@ -202,6 +202,7 @@ class TrimResult(Response):
     cold_after_s: float = 0.0
     resident_pages: int = 0
     dropped_pages: int = 0
+    zero_pages: int = Field(0, description="Of the dropped pages, zero ones (freed by the guest): mapped to the zero page")
     encoded_pages: int = 0
     stored_pages: int = 0
     changed_pages: int = Field(0, description="Pages to drop that the guest wrote while the trim ran beside it: kept")

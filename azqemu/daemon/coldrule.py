@@ -41,13 +41,14 @@ class ColdRule:
     _dropped: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     _back: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
 
-    def note_dropped(self, pages: np.ndarray, resident_pages: int = 0) -> None:
-        """Pages a trim dropped (page indices) of the ``resident_pages`` copies it read. One that
-        dropped under PAYOFF_SHARE of them doubles ``pace_s`` (from twice AFTER_MIN_S up to
-        BACKOFF_MAX_S); one that paid brings it back to nothing."""
+    def note_dropped(self, pages: np.ndarray, resident_pages: int = 0, paid: int | None = None) -> None:
+        """Pages a trim dropped (page indices) that a fault would show coming back, of the
+        ``resident_pages`` copies it read; ``paid``: all it dropped (default: ``pages``). One
+        that dropped under PAYOFF_SHARE of them doubles ``pace_s`` (from twice AFTER_MIN_S up
+        to BACKOFF_MAX_S); one that paid brings it back to nothing."""
         pages = np.asarray(pages, dtype=np.int64)
         self._dropped = np.union1d(self._dropped, pages)
-        if resident_pages and len(pages) < PAYOFF_SHARE * resident_pages:
+        if resident_pages and (len(pages) if paid is None else paid) < PAYOFF_SHARE * resident_pages:
             self.pace_s = min(BACKOFF_MAX_S, max(2 * AFTER_MIN_S, 2 * self.pace_s))
         else:
             self.pace_s = 0.0

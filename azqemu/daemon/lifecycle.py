@@ -415,9 +415,9 @@ class Lifecycle:
                 finally:
                     dom.resume()
             st = mem.trim(stop=self.memory.stop_test(name, ticket), paused=paused)
-            log.debug("%s: trimmed %d of %d copies (%d encoded, %d written meanwhile, cold after %.0f s,"
+            log.debug("%s: trimmed %d of %d copies (%d zero, %d encoded, %d written meanwhile, cold after %.0f s,"
                       " %.0f%% came back) in %.1f ms, %.1f ms paused", name, st.dropped_pages, st.resident_pages,
-                      st.encoded_pages, st.changed_pages, st.cold_after_s, 100 * mem.cold.last_refault,
+                      st.zero_pages, st.encoded_pages, st.changed_pages, st.cold_after_s, 100 * mem.cold.last_refault,
                       st.total_s * 1e3, st.paused_s * 1e3)
             return asdict(st)
 

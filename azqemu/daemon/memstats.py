@@ -48,6 +48,7 @@ class TrimStats:
     cold_after_s: float = 0.0  # the sandbox's rule when this trim ran
     resident_pages: int = 0    # copies the sandbox held
     dropped_pages: int = 0     # of which dropped (equal to their entries, or encoded now)
+    zero_pages: int = 0        # of those, zero (freed by the guest): mapped to the zero page
     encoded_pages: int = 0     # written, hash unchanged for cold_after_s: encoded
     stored_pages: int = 0      # of those, now in the store (the rest mapped, or RAW and kept)
     changed_pages: int = 0     # to drop, but written while the trim ran beside the guest: kept

@@ -45,6 +45,7 @@ from azqemu.daemon.coldrule import ColdRule, CopyHistory
 from azqemu.daemon.cpubudget import CpuBudget
 from azqemu.daemon.memstats import CompressCancelled, CompressStats, ResumeStats, TrimStats, memory_stats
 from azqemu.daemon.ramscan import RamScan, without_rows
+from azqemu.daemon.trimsort import TrimSort
 from azqemu.errors import RestoreError, StoreError
 from azqemu.host import selfmem
 from azqemu.memory.accounting import OwnedBytes
@@ -395,10 +396,9 @@ class SandboxMemory:
     def _trim(self, stop: Callable[[], bool] | None,
               paused: Callable[[], AbstractContextManager[object]]) -> TrimStats:
         """Copy-on-write, in a tool call: drop the copies the guest is not using (docs/policies.md,
-        on trims), neither faulted back since the last compression: copies still equal to
-        their stored entries, and written copies whose hash has not moved across trims
-        (encoded and committed durable first; incompressible ones stay), both left alone for
-        ``self.cold.after_s`` at least (coldrule.py). Scan, hashing, encoding and commit run
+        on trims; which ones: trimsort.py): copies still equal to their stored entries, written
+        copies whose hash has not moved for ``self.cold.after_s`` (encoded and committed durable
+        first; incompressible ones stay), and zero copies at once. Scan, hashing, encoding and commit run
         beside the guest; only the drop runs in ``paused()``, of copies that still hash as
         they were read (one written meanwhile stays)."""
         st, t0 = TrimStats(), time.perf_counter()
@@ -414,39 +414,17 @@ class SandboxMemory:
                 return st
             now = self._trimmed_at = time.monotonic()
             faulted = self._faulted_from_store()
-            cold_after_s = st.cold_after_s = self.cold.judge(faulted)
-            prefetch_cold = now - self._resumed_at >= cold_after_s
-            key = np.zeros(len(idx), dtype=np.uint64)   # a cancel may leave rows unhashed
-            check = np.zeros(len(idx), dtype=np.uint64)
-            since = np.full(len(idx), now)
-            raw = np.zeros(len(idx), dtype=bool)
-            same_parts: list[np.ndarray] = []
-            cold_parts: list[np.ndarray] = []
+            st.cold_after_s = self.cold.judge(faulted)
+            sort = TrimSort(idx, now, faulted=faulted, cold_after_s=st.cold_after_s,
+                            prefetch_cold=now - self._resumed_at >= st.cold_after_s, history=self._history,
+                            entries_match=partial(self.store.entries_match, self.name))
             scratch = Scratch()
-
-            def classify() -> Iterator[tuple[np.ndarray, np.ndarray]]:
-                """Per chunk: note each copy's hash and age, keep aside the ones equal to
-                their entries, yield the cold written ones for encoding."""
-                at = 0
-                for part, pages in self.scan.chunks(idx, scratch):
-                    rows = slice(at, at + len(part))
-                    at += len(part)
-                    key[rows], check[rows] = page_hashes(pages)
-                    in_use = in_sorted(part, faulted)
-                    same = self.store.entries_match(self.name, part, key[rows], check[rows]) & ~in_use
-                    if prefetch_cold:
-                        same_parts.append(part[same])
-                    # Cold for writing: the same hash since cold_after_s at least.
-                    since[rows], raw[rows] = self._history.look_up(part, key[rows], now)
-                    cold = ~same & ~in_use & ~raw[rows] & (now - since[rows] >= cold_after_s)
-                    if cold.any():
-                        cold_parts.append(part[cold])
-                        yield without_rows(part, pages, ~cold, scratch)
             drop = encoded = np.empty(0, dtype=np.int64)
             try:
                 t1 = time.perf_counter()
-                stored, enc_raw = self._encode(classify(), None, scratch=scratch)
-                encoded = np.concatenate(cold_parts) if cold_parts else encoded
+                stored, enc_raw = self._encode(sort.sort(self.scan.chunks(idx, scratch), scratch), None,
+                                               scratch=scratch)
+                encoded = sort.encoded
                 st.encode_s = time.perf_counter() - t1
                 free = np.empty(0, dtype=np.int64)
                 if len(encoded):
@@ -454,8 +432,8 @@ class SandboxMemory:
                     stored, free = self._commit(stored)
                     self.sources.assign(stored, self._store_src)
                     st.encoded_pages, st.stored_pages = len(encoded), len(stored)
-                    raw |= in_sorted(idx, enc_raw)
-                same = np.concatenate(same_parts) if same_parts else np.empty(0, dtype=np.int64)
+                    sort.raw |= in_sorted(idx, enc_raw)
+                same = sort.same
                 if len(same) and self._kept_unflushed:      # durable before their drop
                     self.store.flush()
                     self._kept_unflushed = False
@@ -464,7 +442,7 @@ class SandboxMemory:
                 with paused() if len(drop) else nullcontext():      # nothing to drop: no pause
                     t2 = time.perf_counter()
                     rows = np.searchsorted(idx, drop)
-                    kept_back = ~self.scan.unchanged(drop, key[rows], check[rows], scratch)
+                    kept_back = ~self.scan.unchanged(drop, sort.key[rows], sort.check[rows], scratch)
                     st.changed_pages = int(np.count_nonzero(kept_back))
                     drop = drop[~kept_back]
                     self._discard_copies(drop)
@@ -478,9 +456,11 @@ class SandboxMemory:
                     self._keep_entries(encoded)
                     self._settle(np.empty(0, dtype=np.int64), mapped=False)
                 st.encoded_pages = st.stored_pages = 0
-            kept = ~in_sorted(idx, drop)
-            self._history.keep(idx[kept], key[kept], since[kept], raw[kept])
-            self.cold.note_dropped(drop, st.resident_pages)
+            sort.keep_history(drop)
+            zero = in_sorted(drop, sort.zero)
+            st.zero_pages = int(np.count_nonzero(zero))
+            # Zero drops are mapped to the zero page: no fault can tell the rule they came back.
+            self.cold.note_dropped(drop[~zero], st.resident_pages, paid=len(drop))
             self.calls.note_trimmed(drop)
             # A prefetched page dropped unused by a tool call this long is not in this phase's
             # working set: the next resume need not bring it back.

@@ -71,3 +71,12 @@ def test_dropped_pages_put_back_before_a_call_count_as_come_back() -> None:
     rule.note_back(dropped[: coldrule.JUDGE_PAGES])          # half of them, no fault at all
     assert rule.judge(np.empty(0, dtype=np.int64)) == 2 * coldrule.AFTER_MIN_S
     assert rule.state_bytes() == 0                   # the window starts again
+
+
+def test_drops_no_fault_can_judge_pay_for_the_pace_but_are_not_judged() -> None:
+    r = ColdRule()
+    r.note_dropped(np.arange(10), 10_000, paid=1000)       # 990 zero drops: the trim paid
+    assert r.pace_s == 0.0
+    r.note_dropped(np.arange(10, 20), 10_000)              # 0.1%: did not
+    assert r.pace_s == 2 * coldrule.AFTER_MIN_S
+    assert r.judge(np.arange(5)) == coldrule.AFTER_MIN_S and r.judged == 0   # 20 pages: too few
