@@ -68,3 +68,35 @@ def test_check_finds_damage() -> None:
     idx.kind[0] = int(Kind.ZSTD)
     idx.zt[0] |= 3 << 4          # page 2 in the map as well as an entry
     assert idx.check() is not None
+
+
+_ROW = st.tuples(st.sampled_from(KINDS), st.integers(0, (1 << 32) - 1))
+
+
+@settings(max_examples=80, deadline=None)
+@given(before=st.dictionaries(st.integers(0, 3000), _ROW, max_size=150),
+       remove=st.sets(st.integers(0, 3500), max_size=80),
+       added=st.dictionaries(st.integers(0, 3500), _ROW, max_size=60))
+def test_replacing_rows_equals_rebuilding_the_index(before, remove, added) -> None:
+    """``replaced`` (a commit's incremental update) gives the index a full rebuild gives."""
+    def rows(d: dict) -> tuple[np.ndarray, ...]:
+        p = np.array(sorted(d), dtype=np.int64)
+        k = np.array([d[i][0] for i in sorted(d)], dtype=np.uint8)
+        r = np.array([d[i][1] if d[i][0] not in KINDS[:2] else 0 for i in sorted(d)], dtype=np.uint32)
+        f = np.where((k == int(Kind.DUP)) & (r % 2 == 1), FLAG_REF_TEMPLATE, 0).astype(np.uint8)
+        return p, k, f, r
+    remove_all = np.array(sorted(remove | set(added)), dtype=np.int64)     # added rows replace theirs
+    idx = SandboxIndex.from_pages(*rows(before))
+    ap, ak, af, ar = rows(added)
+    new, (gk, gf, gr) = idx.replaced(remove_all, ap[::-1], ak[::-1], af[::-1], ar[::-1])
+    assert new.check() is None
+    expect = {i: v for i, v in before.items() if i not in remove_all} | added
+    for a, b in zip(new.expand(), SandboxIndex.from_pages(*rows(expect)).expand()):
+        np.testing.assert_array_equal(a, b)
+    gone = {i: v for i, v in before.items() if i in set(remove_all.tolist())}
+    _, xk, xf, xr = rows(gone)
+    np.testing.assert_array_equal(gk, xk)
+    np.testing.assert_array_equal(gf, xf)
+    np.testing.assert_array_equal(gr, xr)
+    for q in list(expect)[:20]:
+        assert new.lookup_one(q) is not None and new.lookup_one(q)[0] == expect[q][0]
