@@ -41,7 +41,7 @@ enum { C_ZSTD = 0, C_XOR_T = 1, C_PREFIX_T = 2, C_XOR_S = 3, C_PREFIX_S = 4, C_L
 /* Decode methods: numbering of azqemu.memory.kinds.Method. */
 enum { M_ZSTD = 0, M_XOR = 1, M_PREFIX = 2, M_LZ4 = 3, M_LZ4_XOR = 4, M_PATCH = 5 };
 
-int azq_pagecodec_abi(void) { return 6; }
+int azq_pagecodec_abi(void) { return 7; }
 
 /* lz4.h (v1.9 stable API) and xxhash.h (v0.8, XXH3 stable) signatures. */
 typedef int (*lz4_compress_fn)(const char *src, char *dst, int srcSize, int dstCapacity);
@@ -420,6 +420,22 @@ int azq_classify(long n, const uint8_t *pages, const int64_t *trow, const uint8_
         else if (trow[i] >= 0 && memcmp(p, tbase + (size_t)trow[i] * PAGE, PAGE) == 0)
             kind[i] = (uint8_t)k_template;
     }
+    return 0;
+}
+
+/*
+ * The encoder's bytewise confirmation of hash matches (encoder.rows_equal): eq[i] = 1 when
+ * page a_row[i] of a_base equals page b_row[i] of b_base, compared in place (no gathered
+ * copies of both sides). Returns 0, or -1 with nothing written if a row is outside its array.
+ */
+int azq_rows_equal(long n, const uint8_t *a_base, const int64_t *a_row, long a_rows,
+                   const uint8_t *b_base, const int64_t *b_row, long b_rows, uint8_t *eq)
+{
+    for (long i = 0; i < n; i++)
+        if (a_row[i] < 0 || a_row[i] >= a_rows || b_row[i] < 0 || b_row[i] >= b_rows)
+            return -1;
+    for (long i = 0; i < n; i++)
+        eq[i] = memcmp(a_base + (size_t)a_row[i] * PAGE, b_base + (size_t)b_row[i] * PAGE, PAGE) == 0;
     return 0;
 }
 

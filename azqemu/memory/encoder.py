@@ -61,6 +61,7 @@ from azqemu.memory.zstdlib import (
     NATIVE_LZ4,
     PageZstd,
     classify_native,
+    rows_equal,
 )
 from azqemu.pages import Scratch, scratch_rows, take_rows
 
@@ -250,7 +251,7 @@ class Encoder:
         trow = template.find_dups(key)
         hit = np.flatnonzero(trow >= 0)
         if len(hit):
-            ok = (pages[rest[hit]].view(np.uint64) == template.pages[trow[hit]].view(np.uint64)).all(axis=1)
+            ok = rows_equal(pages, rest[hit], template.pages, trow[hit])
             h = hit[ok]
             kind[rest[h]] = int(Kind.DUP)
             target[rest[h]] = T_TEMPLATE
@@ -288,7 +289,7 @@ class Encoder:
             rep = cand[first[inverse]]
             dup = np.flatnonzero(rep != cand)
             if len(dup):
-                same = (pages[rest[cand[dup]]].view(np.uint64) == pages[rest[rep[dup]]].view(np.uint64)).all(axis=1)
+                same = rows_equal(pages, rest[cand[dup]], pages, rest[rep[dup]])
                 first_of[cand[dup[same]]] = rep[dup[same]]
                 undecided[cand[dup[same]]] = False
 

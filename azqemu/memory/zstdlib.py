@@ -90,7 +90,7 @@ _LIB = _load_libzstd()
 F_XOR_T, F_PREFIX_T, F_XOR_S, F_PREFIX_S, F_HAS_S, F_LZ4, F_PATCH = 1, 2, 4, 8, 16, 32, 64
 (C_ZSTD, C_XOR_T, C_PREFIX_T, C_XOR_S, C_PREFIX_S, C_LZ4, C_LZ4_XOR_T, C_LZ4_XOR_S, C_PATCH_T, C_PATCH_S,
  C_RAW) = 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 255
-NATIVE_ABI = 6
+NATIVE_ABI = 7
 # The encoder's follow-up attempts whose odds the caller sets (A_* of _pagecodec.c: plain zstd
 # after the XOR, the template prefix after the XOR or alone, the SDELTA pair), each in four
 # buckets of the best payload so far (<= 512, 1024, 2048 bytes, more).
@@ -146,6 +146,8 @@ def _load_native() -> Any | None:
         lib.azq_page_hashes.argtypes = [ctypes.c_long, _V, _V, _V, _V]
         lib.azq_classify.restype = _I
         lib.azq_classify.argtypes = [ctypes.c_long, _V, _V, _V, ctypes.c_long, _V, _I, _I]
+        lib.azq_rows_equal.restype = _I
+        lib.azq_rows_equal.argtypes = [ctypes.c_long, _V, _V, ctypes.c_long, _V, _V, ctypes.c_long, _V]
         lib.azq_gather.restype = None
         lib.azq_gather.argtypes = [_I, _V, _V, _V]
         lib.azq_set_helpers.restype = _I
@@ -379,6 +381,24 @@ def classify_native(pages: np.ndarray, rows: np.ndarray, tpages: np.ndarray, kin
     # mapping alive for the call; ctypes releases the GIL meanwhile.
     return int(lib.azq_classify(n, pages.ctypes.data, r.ctypes.data, tpages.ctypes.data, len(tpages),
                                 kind.ctypes.data, k_zero, k_template)) == 0
+
+
+def rows_equal(a: np.ndarray, a_row: np.ndarray, b: np.ndarray, b_row: np.ndarray) -> np.ndarray:
+    """Whether page ``a[a_row[i]]`` equals page ``b[b_row[i]]``, for each i: the bytewise check
+    of a hash match. In C (pages compared in place) where _pagecodec.so is built, else numpy
+    (both sides gathered: two page copies a row)."""
+    n = len(a_row)
+    eq = np.zeros(n, dtype=np.uint8)
+    if n == 0:
+        return eq.astype(bool)
+    ar = np.ascontiguousarray(a_row, dtype=np.int64)
+    br = np.ascontiguousarray(b_row, dtype=np.int64)
+    lib = _NATIVE
+    ok = all(x.dtype == np.uint8 and x.flags.c_contiguous and x.ndim == 2 and x.shape[1] == PAGE_SIZE for x in (a, b))
+    if lib is not None and ok and int(lib.azq_rows_equal(n, a.ctypes.data, ar.ctypes.data, len(a), b.ctypes.data,
+                                                         br.ctypes.data, len(b), eq.ctypes.data)) == 0:
+        return eq.astype(bool)
+    return (a[ar].view(np.uint64) == b[br].view(np.uint64)).all(axis=1)
 
 
 def native_available() -> bool:

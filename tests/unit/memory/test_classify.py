@@ -256,3 +256,32 @@ def test_plans_are_the_same_either_way(small_set, small_template) -> None:
     np.testing.assert_array_equal(a.ref, b.ref)
     assert a.blobs.payload == b.blobs.payload
     assert (a.kind == ZERO).any() and (a.kind == TEMPLATE).any()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pairs=st.lists(st.tuples(st.integers(0, 11), st.integers(0, 7)), max_size=40), seed=st.integers(0, 2**16))
+def test_rows_equal_in_c_and_in_numpy_agree_with_the_definition(pairs, seed, monkeypatch) -> None:
+    """The encoder's bytewise confirmation of a hash match: page a[i] against page b[j]."""
+    from azqemu.memory import zstdlib
+
+    rng = np.random.default_rng(seed)
+    a = rng.integers(0, 256, size=(12, PAGE_SIZE), dtype=np.uint8)
+    b = rng.integers(0, 256, size=(8, PAGE_SIZE), dtype=np.uint8)
+    a[:4] = b[:4]                         # equal rows to find
+    a[4, :] = b[4]
+    a[4, 4095] ^= 1                       # differs in its last byte only
+    ai = np.array([p[0] for p in pairs], dtype=np.int64)
+    bi = np.array([p[1] for p in pairs], dtype=np.int64)
+    expect = np.array([np.array_equal(a[i], b[j]) for i, j in pairs], dtype=bool)
+    assert zstdlib.rows_equal(a, ai, b, bi).tolist() == expect.tolist()
+    monkeypatch.setattr(zstdlib, "_NATIVE", None)
+    assert zstdlib.rows_equal(a, ai, b, bi).tolist() == expect.tolist()
+
+
+@pytest.mark.skipif(not native_available(), reason="_pagecodec.so not built")
+def test_rows_equal_refuses_rows_outside_in_c_and_numpy_says_so() -> None:
+    from azqemu.memory import zstdlib
+
+    a = np.zeros((2, PAGE_SIZE), dtype=np.uint8)
+    with pytest.raises(IndexError):
+        zstdlib.rows_equal(a, np.array([0, 5]), a, np.array([0, 1]))
