@@ -16,7 +16,7 @@ from azqemu.daemon import proc as daemonproc
 from azqemu.errors import AzqemuError
 from tests.support.daemonctl import restart as _restart
 from tests.support.daemonctl import start as _start
-from tests.support.guest import md5_ok, needs_lazy_restore, sh, start_checker, wait_rounds
+from tests.support.guest import blob_and_checker, md5_ok, needs_lazy_restore, wait_rounds
 
 pytestmark = [pytest.mark.vm, pytest.mark.root, pytest.mark.uffd]
 
@@ -31,10 +31,7 @@ def test_a_cancelled_compression_keeps_its_entries_and_the_guest_its_bytes(templ
     (rec,) = c.clone(template=template, count=1, name_prefix="cancelkeep-", ram_mode="cow")
     name = rec.name
     try:
-        code, _ = sh(name, "seq 1 3000000 > /tmp/blob; md5sum /tmp/blob > /tmp/blob.md5")
-        assert code == 0
-        start_checker(name, 24, "k")
-        rounds = wait_rounds(name, "k", 0)
+        rounds = blob_and_checker(name, 24, "k")
         _restart(daemon, fail_at=CANCEL_AT)
         with pytest.raises(AzqemuError, match="cancelled"):
             c.compress(name=name)

@@ -11,7 +11,7 @@ from azqemu.client import Client
 from azqemu.daemon import proc as daemonproc
 from tests.support.daemonctl import restart as _restart
 from tests.support.daemonctl import start as _start
-from tests.support.guest import md5_ok, needs_lazy_restore, sh, start_checker, wait_rounds
+from tests.support.guest import blob_and_checker, md5_ok, needs_lazy_restore, wait_rounds
 
 pytestmark = [pytest.mark.vm, pytest.mark.root, pytest.mark.uffd]
 
@@ -24,10 +24,7 @@ def test_a_compression_past_its_budget_leaves_the_rest_resident(template: str, d
     name = rec.name
     try:
         # Compressible pages of the guest's own (text), beside a checker's heap.
-        code, _ = sh(name, "seq 1 3000000 > /tmp/blob; md5sum /tmp/blob > /tmp/blob.md5")
-        assert code == 0
-        start_checker(name, 24, "b")
-        rounds = wait_rounds(name, "b", 0)
+        rounds = blob_and_checker(name, 24, "b")
         # A budget spent by the first chunk: every compression stops after it.
         _restart(daemon, env={"AZQ_COMPRESS_CPU_BUDGET_S": "0.000001"})
         for _cycle in range(2):

@@ -18,7 +18,7 @@ from azqemu.daemon import proc as daemonproc
 from azqemu.errors import AzqemuError
 from tests.support.daemonctl import restart as _restart
 from tests.support.daemonctl import start as _start
-from tests.support.guest import md5_ok, needs_lazy_restore, sh, start_checker, wait_rounds
+from tests.support.guest import blob_and_checker, md5_ok, needs_lazy_restore, sh, wait_rounds
 
 pytestmark = [pytest.mark.vm, pytest.mark.root, pytest.mark.uffd]
 
@@ -51,10 +51,7 @@ def test_freed_memory_goes_at_the_next_trim_and_comes_back_zero(template: str, d
     (rec,) = c.clone(template=template, count=1, name_prefix="trimzero-", ram_mode="cow")
     name = rec.name
     try:
-        code, _ = sh(name, "seq 1 3000000 > /tmp/blob; md5sum /tmp/blob > /tmp/blob.md5")
-        assert code == 0
-        start_checker(name, 16, "z")
-        rounds = wait_rounds(name, "z", 0)
+        rounds = blob_and_checker(name, 16, "z")
         c.compress(name=name)            # trims run between compressions
         c.resume(name=name, prefetch=True)
         _heap_ok(name)

@@ -42,6 +42,16 @@ def start_checker(name: str, size_mib: int, tag: str) -> None:
     assert code == 0
 
 
+def blob_and_checker(name: str, checker_mib: int, tag: str) -> int:
+    """The guest's own pages to check across cycles: a compressible file (/tmp/blob, 20 MiB of
+    text, its md5 beside it: ``md5_ok``) and a running memory checker of ``checker_mib`` MiB
+    (``wait_rounds``). Returns the checker's first round."""
+    code, out = sh(name, "seq 1 3000000 > /tmp/blob; md5sum /tmp/blob > /tmp/blob.md5")
+    assert code == 0, out
+    start_checker(name, checker_mib, tag)
+    return wait_rounds(name, tag, 0)
+
+
 def checker_rounds(name: str, tag: str) -> int:
     code, out = sh(name, f"cat /tmp/st-{tag} 2>/dev/null || echo NONE")
     assert not out.startswith("BAD"), f"{name}: guest saw wrong data: {out}"
