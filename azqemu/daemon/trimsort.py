@@ -32,6 +32,7 @@ from azqemu.pages import Scratch, in_sorted
 EntriesMatch = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 
 _EMPTY = np.empty(0, dtype=np.int64)
+_EMPTY.flags.writeable = False        # handed out by the properties: shared
 
 
 class TrimSort:

@@ -37,6 +37,14 @@ def test_encode_result_and_kinds(store, small_set, small_template) -> None:
     assert res.input_bytes == len(idx) * PAGE_SIZE and res.encode_s > 0
 
 
+def test_an_encode_with_a_page_twice_is_refused_and_stores_nothing(store, small_set, small_template) -> None:
+    idx, pages = small_set.sandboxes[0]
+    twice = np.concatenate([idx[:5], idx[2:3]])          # unsorted, page idx[2] twice
+    with pytest.raises(StoreError, match="duplicate page indices"):
+        store.encode("a", "d", twice, pages[np.searchsorted(idx, twice)], small_template)
+    assert "a" not in store.sandboxes()
+
+
 def test_flush_and_reopen(store_dir, small_set, small_template) -> None:
     with PageStore(store_dir, arena_bytes=SMALL_ARENA) as s:
         _fill(s, small_set, small_template)
