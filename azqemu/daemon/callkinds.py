@@ -40,6 +40,8 @@ from pathlib import PurePosixPath
 import numpy as np
 import xxhash
 
+from azqemu.pages import in_sorted, intersect_idx, union_idx, unique_idx
+
 SAME_KIND_JACCARD = 0.6
 MAX_KINDS = 8                 # per sandbox, least recently used first out
 MAX_BOOK_KINDS = 16           # per sharing domain
@@ -67,7 +69,7 @@ def command_words(argv: list[str], stdin: bytes | None = None) -> np.ndarray:
         text += "\n" + stdin[:STDIN_WORDS_BYTES].decode("utf-8", "replace")
     words = dict.fromkeys(WORD_RE.findall(text))        # first occurrences, in order
     hashes = [xxhash.xxh3_64_intdigest(w.encode()) for w in list(words)[:MAX_WORDS]]
-    return np.unique(np.array(hashes, dtype=np.uint64))
+    return unique_idx(np.array(hashes, dtype=np.uint64))
 
 
 def prefetch_pays(pages: int, call_s: float | None) -> bool:
@@ -80,7 +82,7 @@ def prefetch_pays(pages: int, call_s: float | None) -> bool:
 
 def jaccard(a: np.ndarray, b: np.ndarray) -> float:
     """Overlap of two sorted word sets (1.0 for two empty ones)."""
-    common = len(np.intersect1d(a, b, assume_unique=True))
+    common = int(np.count_nonzero(in_sorted(a, b)))
     union = len(a) + len(b) - common
     return common / union if union else 1.0
 
@@ -205,7 +207,7 @@ class CallKinds:
                 pages = self.siblings.look_up(k.name, k.words)
             if pages is None:
                 return None
-            return np.union1d(self._unpack(pages), self._fresh)
+            return union_idx(self._unpack(pages), self._fresh)
 
     def end_phase(self, used: np.ndarray, fresh: np.ndarray) -> None:
         """A phase ended (its sandbox compressed): ``used`` is every page it touched, kept as
@@ -225,13 +227,13 @@ class CallKinds:
     def note_trimmed(self, pages: np.ndarray) -> None:
         """Pages a trim dropped in this phase: what a running sandbox's call may get back."""
         with self._lock:
-            self._trimmed = np.union1d(self._trimmed, np.asarray(pages, dtype=np.int64))
+            self._trimmed = union_idx(self._trimmed, np.asarray(pages, dtype=np.int64))
 
     def trimmed(self, pages: np.ndarray) -> np.ndarray:
         """Those of ``pages`` (sorted) that trims dropped in this phase. Pages the compression
         dropped are not among them: a resume without its prefetch left them to faults."""
         with self._lock:
-            return np.intersect1d(pages, self._trimmed, assume_unique=True)
+            return intersect_idx(pages, self._trimmed)
 
     @property
     def kinds(self) -> int:
@@ -248,7 +250,7 @@ class CallKinds:
     def _pack(self, used: np.ndarray) -> np.ndarray:
         """A working set in the smaller of two forms: sorted u32 page indices (a coding
         agent's few thousand pages) or a bit per page (a heap of tens of thousands)."""
-        used = np.unique(used[(used >= 0) & (used < self.pages)])
+        used = unique_idx(used[(used >= 0) & (used < self.pages)])
         if 4 * len(used) < (self.pages + 7) // 8:
             return used.astype(np.uint32)
         bits = np.zeros(self.pages, dtype=bool)

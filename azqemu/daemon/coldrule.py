@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from azqemu.pages import in_sorted
+from azqemu.pages import in_sorted, union_idx
 
 AFTER_MIN_S = 2.0
 AFTER_MAX_S = 64.0
@@ -47,7 +47,7 @@ class ColdRule:
         that dropped under PAYOFF_SHARE of them doubles ``pace_s`` (from twice AFTER_MIN_S up
         to BACKOFF_MAX_S); one that paid brings it back to nothing."""
         pages = np.asarray(pages, dtype=np.int64)
-        self._dropped = np.union1d(self._dropped, pages)
+        self._dropped = union_idx(self._dropped, pages)
         if resident_pages and (len(pages) if paid is None else paid) < PAYOFF_SHARE * resident_pages:
             self.pace_s = min(BACKOFF_MAX_S, max(2 * AFTER_MIN_S, 2 * self.pace_s))
         else:
@@ -62,14 +62,14 @@ class ColdRule:
     def note_back(self, pages: np.ndarray) -> None:
         """Pages put back before a tool call because its kind used them (a running sandbox's
         refill): a dropped one among them came back as surely as by a fault, unseen."""
-        self._back = np.union1d(self._back, np.asarray(pages, dtype=np.int64))
+        self._back = union_idx(self._back, np.asarray(pages, dtype=np.int64))
 
     def judge(self, faulted: np.ndarray) -> float:
         """Given the pages that faulted since the drops were noted (or were put back:
         ``note_back``), adapt ``after_s`` and start a new window; returns ``after_s``."""
         if len(self._dropped) < JUDGE_PAGES:
             return self.after_s
-        came = np.union1d(faulted, self._back) if len(self._back) else faulted    # ascending
+        came = union_idx(faulted, self._back) if len(self._back) else faulted    # ascending
         back = float(in_sorted(self._dropped, came).mean())
         if back > REFAULT_HIGH:
             self.after_s = min(AFTER_MAX_S, self.after_s * 2)

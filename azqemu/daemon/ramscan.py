@@ -18,6 +18,7 @@ import numpy as np
 from azqemu.host.pagemap import private_pages, read_pages
 from azqemu.memory.pagehash import page_hashes
 from azqemu.memory.ram import read_file_pages, resident_page_index
+from azqemu.memory.zstdlib import compact_rows
 from azqemu.pages import PAGE_SIZE, Scratch, scratch_rows, take_rows
 
 # 2 MiB: the encoder's work buffers follow the chunk (five page arrays of its unique pages, the
@@ -29,13 +30,19 @@ CHUNK_PAGES = 512
 
 def without_rows(part: np.ndarray, pages: np.ndarray, drop: np.ndarray,
                  scratch: Scratch | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """``part`` and ``pages`` less the rows where ``drop`` is true; the pages kept go into the
-    ``scratch`` buffer "kept" (valid until the next call), or a new array."""
+    """``part`` and ``pages`` less the rows where ``drop`` is true. Without ``scratch``, new
+    arrays. With it, ``pages`` is a work buffer itself (``RamScan.chunks``' rows, valid until
+    the next chunk): the pages kept move up within it, in place (C), or where _pagecodec.so is
+    not built go into the scratch buffer "kept". In place, no second 2 MiB buffer is filled:
+    fresh memory costs a page fault per page on its first write (pages.py)."""
     keep = ~drop
     if scratch is None:
         return part[keep], pages[keep]
-    n = int(np.count_nonzero(keep))
-    return part[keep], take_rows(pages, np.flatnonzero(keep), scratch_rows(scratch, "kept", n))
+    rows = np.flatnonzero(keep)
+    moved = compact_rows(pages, rows)
+    if moved is not None:
+        return part[keep], moved
+    return part[keep], take_rows(pages, rows, scratch_rows(scratch, "kept", len(rows)))
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,16 @@ from azqemu.memory.pagehash import page_hashes
 from azqemu.memory.persist import StoreFull
 from azqemu.memory.store import PageStore
 from azqemu.memory.template import TemplateImage
-from azqemu.pages import PAGE_SIZE, Scratch, in_sorted, page_runs
+from azqemu.pages import (
+    PAGE_SIZE,
+    Scratch,
+    in_sorted,
+    intersect_idx,
+    page_runs,
+    setdiff_idx,
+    union_idx,
+    unique_idx,
+)
 from azqemu.restore.export import UffdExport, UffdHandle
 from azqemu.restore.handler import FaultHandler
 from azqemu.restore.mapback import map_from_file, untouched_in_page_tables
@@ -237,8 +246,8 @@ class SandboxMemory:
                 self.store.discard(self.name, np.concatenate(stored))
             raise
         empty = np.empty(0, dtype=np.int64)
-        return (np.sort(np.concatenate(stored)) if stored else empty,
-                np.sort(np.concatenate(raw)) if raw else empty)
+        return (unique_idx(np.concatenate(stored)) if stored else empty,
+                unique_idx(np.concatenate(raw)) if raw else empty)
 
     # -- compress -------------------------------------------------------------------------
     def compress(self, stop: Callable[[], bool] | None = None) -> CompressStats:
@@ -259,12 +268,12 @@ class SandboxMemory:
             # was measured worse. Known before encoding: a lazy clone's store encodes them for
             # decode speed (PageStore.encode's hot).
             faulted = self.handler.hot_pages(self._block_index).astype(np.int64)
-            hot_idx = np.union1d(faulted, self._prefetched_idx)
+            hot_idx = union_idx(faulted, self._prefetched_idx)
             if self.cow:
                 # The copies are pages the guest wrote (or that came back) since the last
                 # compression, faults or not: at the first compression, when nothing could
                 # fault yet, they are the whole working set the guest showed.
-                hot_idx = np.union1d(hot_idx, idx)
+                hot_idx = union_idx(hot_idx, idx)
             t1 = time.perf_counter()
             # Only what changed is encoded (a copy equal to its entry by XXH3-128 keeps it): the
             # CPU follows what the guest wrote. Within the wait's CPU budget; the rest stays.
@@ -292,15 +301,15 @@ class SandboxMemory:
             st.stored_pages, st.raw_pages = len(enc_stored), len(enc_raw)
             self.hot_idx = hot_idx
             # Kept for the kinds of call the phase ran; what it created comes back for any kind.
-            came_back = np.union1d(self._faulted_from_store(), self._prefetched_idx)
-            self.calls.end_phase(hot_idx, np.setdiff1d(idx, came_back))
+            came_back = union_idx(self._faulted_from_store(), self._prefetched_idx)
+            self.calls.end_phase(hot_idx, setdiff_idx(idx, came_back))
             self._prefetched_idx = np.empty(0, dtype=np.int64)
             self.handler.reset_hot()
             st.hot_pages = len(self.hot_idx)
             self._history = CopyHistory()   # trims start again, as does the fault record
             self.cold.forget_drops()
             stored, free = self._commit(enc_stored)
-            self.sources.assign(np.union1d(stored, unchanged), self._store_src)
+            self.sources.assign(union_idx(stored, unchanged), self._store_src)
             t2 = time.perf_counter()
             try:
                 dropped = np.setdiff1d(done, enc_raw, assume_unique=True)
@@ -341,7 +350,7 @@ class SandboxMemory:
         to drop that the store now serves and, copy-on-write, the free ones (template or
         zero again: mapped, not stored). A store that cannot commit forgets the round's
         entries and raises: nothing was dropped, the guest keeps every page."""
-        stored = np.sort(encoded.astype(np.int64))
+        stored = np.sort(encoded.astype(np.int64), kind="stable")    # ascending runs: merged
         free = np.empty(0, dtype=np.int64)
         if self.cow:
             stored, free = self._unstore_free_pages(stored)
@@ -438,7 +447,7 @@ class SandboxMemory:
                     self.store.flush()
                     self._kept_unflushed = False
                 self.sources.assign(same, self._store_src)
-                drop = np.union1d(same, np.setdiff1d(encoded, enc_raw))
+                drop = union_idx(same, setdiff_idx(encoded, enc_raw))
                 with paused() if len(drop) else nullcontext():      # nothing to drop: no pause
                     t2 = time.perf_counter()
                     rows = np.searchsorted(idx, drop)
@@ -506,7 +515,7 @@ class SandboxMemory:
         self.sources.assign(same, self._unstored)
         self.sources.assign(zero, self._zero_src)
         keep = (kinds != Kind.TEMPLATE) & (kinds != Kind.ZERO)
-        return stored[keep], np.union1d(same, zero).astype(np.int64)
+        return stored[keep], union_idx(same, zero).astype(np.int64)
 
     def _discard_copies(self, pages: np.ndarray) -> None:
         """Copy-on-write: have QEMU drop these copies (the range is registered: a later touch
@@ -533,7 +542,7 @@ class SandboxMemory:
         kinds = np.frombuffer(self.sources.kinds, dtype=np.uint8)[unmapped]
         from_template = unmapped[kinds == 0]
         data = self.template.rows(from_template) >= 0
-        zero = np.union1d(from_template[~data], unmapped[kinds == self.sources.index_of(self._zero_src)])
+        zero = union_idx(from_template[~data], unmapped[kinds == self.sources.index_of(self._zero_src)])
         return (map_from_file(self.handle.uffd, self.block, from_template[data])
                 + map_from_file(self.handle.uffd, self.block, zero, zero=True))
 
@@ -546,10 +555,10 @@ class SandboxMemory:
             predicted = self.calls.predict(call)
             want = np.empty(0, dtype=np.int64)
             if hot and self.compressed and self.registered:     # detached meanwhile: its uffd is closed
-                want = np.intersect1d(self.hot_idx if predicted is None else predicted, self.store.stored_pages(self.name))
+                want = intersect_idx(self.hot_idx if predicted is None else predicted, self.store.stored_pages(self.name))
             elif hot and predicted is not None and self.registered and len(want := self.calls.trimmed(predicted)):
                 # Only then the store's index and the pagemap (most calls find nothing trimmed).
-                want = np.setdiff1d(np.intersect1d(want, self.store.stored_pages(self.name)), self.scan.index())
+                want = setdiff_idx(intersect_idx(want, self.store.stored_pages(self.name)), self.scan.index())
             if len(want) and not prefetch_pays(len(want), self.calls.call_s(call)):
                 st.left_pages, want = len(want), want[:0]     # a long call: first touch serves them
             if len(want):    # a page the guest faulted in meanwhile is skipped (EEXIST)
@@ -557,7 +566,7 @@ class SandboxMemory:
                     self.cold.note_back(want)
                 with Prefetcher(self.handle.uffd) as pf:
                     r = pf.prefetch(self.block, want, self.sources)
-                self._prefetched_idx = np.union1d(self._prefetched_idx, want)
+                self._prefetched_idx = union_idx(self._prefetched_idx, want)
                 st.prefetched_pages, st.prefetch_s, st.prefetch_mib_s = r.pages_copied, r.elapsed_s, r.mib_s
                 st.decode_s, st.copy_s = r.decode_s, r.copy_s
             self._resumed_at = time.monotonic() if self.compressed or len(want) else self._resumed_at

@@ -41,7 +41,7 @@ enum { C_ZSTD = 0, C_XOR_T = 1, C_PREFIX_T = 2, C_XOR_S = 3, C_PREFIX_S = 4, C_L
 /* Decode methods: numbering of azqemu.memory.kinds.Method. */
 enum { M_ZSTD = 0, M_XOR = 1, M_PREFIX = 2, M_LZ4 = 3, M_LZ4_XOR = 4, M_PATCH = 5 };
 
-int azq_pagecodec_abi(void) { return 7; }
+int azq_pagecodec_abi(void) { return 8; }
 
 /* lz4.h (v1.9 stable API) and xxhash.h (v0.8, XXH3 stable) signatures. */
 typedef int (*lz4_compress_fn)(const char *src, char *dst, int srcSize, int dstCapacity);
@@ -119,12 +119,26 @@ static void saved(uint64_t *astats, int slot, long before, long after)
     }
 }
 
+/* dst = a ^ b, one page: returns dst. */
+static const uint8_t *xor_page(uint8_t *dst, const uint8_t *a, const uint8_t *b)
+{
+    for (int w = 0; w < PAGE / 8; w++) {
+        uint64_t x, y;
+        memcpy(&x, a + 8 * w, 8);
+        memcpy(&y, b + 8 * w, 8);
+        x ^= y;
+        memcpy(dst + 8 * w, &x, 8);
+    }
+    return dst;
+}
+
 #define TAKE(len_, ch_) do { uint8_t *t_ = best; best = cur; cur = t_; best_len = (len_); ch = (ch_); } while (0)
 
 static long azq_encode_loop(ZSTD_CCtx *cctx, int m, const uint8_t *up, const uint8_t *tp, const uint8_t *xp,
                             const uint8_t *sp, const uint8_t *sxp, const uint8_t *flags,
                             long tiny, long gain, long small, long raw_limit, int lz4_level, void *hc_state,
                             uint8_t *buf_a, uint8_t *buf_b, uint8_t *patch_a, uint8_t *patch_b,
+                            uint8_t *xor_t, uint8_t *xor_s,
                             uint8_t *out, size_t out_cap, uint32_t *out_off, uint16_t *out_len, uint8_t *choice,
                             uint64_t *tries, const uint8_t *odds, uint64_t *astats, uint32_t *rng,
                             size_t *pos_io);
@@ -132,7 +146,9 @@ static long azq_encode_loop(ZSTD_CCtx *cctx, int m, const uint8_t *up, const uin
 /*
  * Encode m pages. Page i is up[i*PAGE]; tp/xp/sp/sxp hold, row for row, the same-address
  * template page, page^template, the SDELTA reference and page^reference (rows only read when
- * the page's flags ask for them). The smallest payload is appended to out; its offset, length
+ * the page's flags ask for them). xp and sxp may be NULL: each page's XOR is then made here,
+ * in a buffer of one page, only for the pages whose flags use it (the caller need not fill
+ * two arrays of XORs, fresh memory that costs a page fault per page on first use). The smallest payload is appended to out; its offset, length
  * and choice are reported (C_RAW with length 0 when even the best exceeds raw_limit).
  * tries[0..5] count zstd, xor, prefix, sdelta, lz4 and patch attempts.
  * The attempts after the first payload (plain zstd after the XOR, the template prefix after
@@ -153,6 +169,7 @@ long azq_encode_batch(ZSTD_CCtx *cctx, int m, const uint8_t *up, const uint8_t *
                       uint64_t *tries, const uint8_t *odds, uint64_t *astats, uint32_t seed)
 {
     uint8_t buf_a[BOUND], buf_b[BOUND], patch_a[PATCH_MAX + 8], patch_b[PATCH_MAX + 8];
+    uint64_t xor_t[PAGE / 8], xor_s[PAGE / 8];
     size_t pos = 0;
     void *hc_state = NULL;
     if (lz4_level > 0) {
@@ -161,8 +178,8 @@ long azq_encode_batch(ZSTD_CCtx *cctx, int m, const uint8_t *up, const uint8_t *
     }
     uint32_t rng = seed ? seed : 0x9e3779b9u;
     long rc = azq_encode_loop(cctx, m, up, tp, xp, sp, sxp, flags, tiny, gain, small, raw_limit, lz4_level,
-                              hc_state, buf_a, buf_b, patch_a, patch_b, out, out_cap, out_off, out_len, choice,
-                              tries, odds, astats, &rng, &pos);
+                              hc_state, buf_a, buf_b, patch_a, patch_b, (uint8_t *)xor_t, (uint8_t *)xor_s,
+                              out, out_cap, out_off, out_len, choice, tries, odds, astats, &rng, &pos);
     free(hc_state);
     return rc < 0 ? -1 : (long)pos;
 }
@@ -171,6 +188,7 @@ static long azq_encode_loop(ZSTD_CCtx *cctx, int m, const uint8_t *up, const uin
                             const uint8_t *sp, const uint8_t *sxp, const uint8_t *flags,
                             long tiny, long gain, long small, long raw_limit, int lz4_level, void *hc_state,
                             uint8_t *buf_a, uint8_t *buf_b, uint8_t *patch_a, uint8_t *patch_b,
+                            uint8_t *xor_t, uint8_t *xor_s,
                             uint8_t *out, size_t out_cap, uint32_t *out_off, uint16_t *out_len, uint8_t *choice,
                             uint64_t *tries, const uint8_t *odds, uint64_t *astats, uint32_t *rng,
                             size_t *pos_io)
@@ -182,17 +200,23 @@ static long azq_encode_loop(ZSTD_CCtx *cctx, int m, const uint8_t *up, const uin
         long best_len = -1, limit = 0, n;
         int ch = C_ZSTD;
         uint8_t f = flags[i];
+        /* The XOR rows this page's attempts read: the caller's, or made here. */
+        const uint8_t *xr = NULL, *sxr = NULL;
+        if (f & F_XOR_T)
+            xr = xp ? xp + off : xor_page(xor_t, up + off, tp + off);
+        if (f & F_XOR_S)
+            sxr = sxp ? sxp + off : xor_page(xor_s, up + off, sp + off);
         /* PATCH against the same-address template page, then against the SDELTA reference
          * (kept only if strictly smaller). */
         uint8_t *pbuf = patch_a;
         long pl = -1;
         int pch = C_PATCH_T;
         if ((f & F_PATCH) && (f & F_XOR_T)) {
-            pl = patch_make(up + off, xp + off, patch_a, PATCH_MAX);
+            pl = patch_make(up + off, xr, patch_a, PATCH_MAX);
             tries[5]++;
         }
         if ((f & F_PATCH) && (f & F_XOR_S)) {
-            n = patch_make(up + off, sxp + off, patch_b, pl >= 0 ? pl - 1 : PATCH_MAX);
+            n = patch_make(up + off, sxr, patch_b, pl >= 0 ? pl - 1 : PATCH_MAX);
             tries[5]++;
             if (n >= 0) {
                 pl = n;
@@ -208,7 +232,7 @@ static long azq_encode_loop(ZSTD_CCtx *cctx, int m, const uint8_t *up, const uin
             /* A page on the decode-cost diet (hot set): LZ4 (~5x cheaper to decode than zstd),
              * of the page, or of its XOR with the same-address template page (F_XOR_T) or with
              * the SDELTA reference (F_XOR_S); a delta must beat the page by `gain` bytes. */
-            const uint8_t *srcs[3] = {up + off, (f & F_XOR_T) ? xp + off : NULL, (f & F_XOR_S) ? sxp + off : NULL};
+            const uint8_t *srcs[3] = {up + off, xr, sxr};
             const int chs[3] = {C_LZ4, C_LZ4_XOR_T, C_LZ4_XOR_S};
             if (!hc_state && !lz4_compress)
                 return -1;
@@ -231,7 +255,7 @@ static long azq_encode_loop(ZSTD_CCtx *cctx, int m, const uint8_t *up, const uin
             f = 0;
         }
         else if (f & F_XOR_T) {
-            n = zc(cctx, cur, xp + off, NULL);
+            n = zc(cctx, cur, xr, NULL);
             tries[1]++;
             if (n < 0)
                 return -1;
@@ -269,7 +293,7 @@ static long azq_encode_loop(ZSTD_CCtx *cctx, int m, const uint8_t *up, const uin
             long before = limit;
             tries[3]++;
             if (f & F_XOR_S) {
-                n = zc(cctx, cur, sxp + off, NULL);
+                n = zc(cctx, cur, sxr, NULL);
                 if (n >= 0 && n < limit) {
                     TAKE(n, C_XOR_S);
                     limit = n;
@@ -436,6 +460,23 @@ int azq_rows_equal(long n, const uint8_t *a_base, const int64_t *a_row, long a_r
             return -1;
     for (long i = 0; i < n; i++)
         eq[i] = memcmp(a_base + (size_t)a_row[i] * PAGE, b_base + (size_t)b_row[i] * PAGE, PAGE) == 0;
+    return 0;
+}
+
+/*
+ * Keep only rows rows[0..k) of the n_rows pages at base, moved in place to rows 0..k (a chunk
+ * less the pages it does not pass on, with no second buffer to fill: ramscan.without_rows).
+ * rows must ascend strictly, so row i is read before any later move can overwrite it.
+ * Returns 0, or -1 with nothing moved if they do not or one is outside 0..n_rows.
+ */
+int azq_compact_rows(uint8_t *base, long n_rows, const int64_t *rows, long k)
+{
+    for (long i = 0; i < k; i++)
+        if (rows[i] < 0 || rows[i] >= n_rows || (i > 0 && rows[i] <= rows[i - 1]))
+            return -1;
+    for (long i = 0; i < k; i++)
+        if (rows[i] != i)
+            memmove(base + (size_t)i * PAGE, base + (size_t)rows[i] * PAGE, PAGE);
     return 0;
 }
 

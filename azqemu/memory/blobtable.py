@@ -29,6 +29,7 @@ import numpy as np
 from azqemu.memory.attempts import AttemptOdds
 from azqemu.memory.kinds import Method, RefType
 from azqemu.memory.simindex import LayeredIndex, SimilarityIndex
+from azqemu.pages import unique_counts
 
 BLOB_DTYPE = np.dtype([("key", "<u8"), ("check", "<u8"), ("offset", "<u4"), ("ref", "<u4"),
                        ("refcount", "<u4"), ("arena", "<u2"), ("length", "<u2"), ("domain", "<u2"),
@@ -149,14 +150,14 @@ class BlobTable:
         freed: list[np.ndarray] = []
         while len(ids):
             rc = self.rows["refcount"]
-            uniq, cnt = np.unique(ids, return_counts=True)
+            uniq, cnt = unique_counts(ids)
             if np.any(rc[uniq] < cnt):
                 raise AssertionError("blob reference count underflow")
             rc[uniq] -= cnt.astype(np.uint32)
             dead = uniq[rc[uniq] == 0]
             freed.append(dead)
             indexed = dead[in_domain_indices(self.rows["method"][dead], self.rows["reftype"][dead])]
-            doms, per = np.unique(self.rows["domain"][indexed], return_counts=True)
+            doms, per = unique_counts(self.rows["domain"][indexed])
             for did, cnt in zip(doms.tolist(), per.tolist()):
                 self.domain_by_id[did].dup_stale += cnt
             # A freed SDELTA blob releases its base.

@@ -347,8 +347,6 @@ class Encoder:
         take_rows(template.pages_z, np.where(trows >= 0, trows, template.zero_row), tpages)
         same_t = (uw == tpages.view(np.uint64)).sum(axis=1)
         do_xor_t = has_t & (same_t >= XOR_MIN_SAME_WORDS)
-        xpages = self._scratch("x", m)
-        np.bitwise_xor(up, tpages, out=xpages)
         # Similarity candidates: template pages elsewhere, then the domain's blobs.
         fps = sample_fingerprints(up)
         cand_t, votes_t = sim_t.query(fps, exclude=pidx)
@@ -377,8 +375,6 @@ class Encoder:
         has_s = s_kind > 0
         same_s = (uw == sref.view(np.uint64)).sum(axis=1)
         do_xor_s = has_s & (same_s >= XOR_MIN_SAME_WORDS)
-        spx = self._scratch("sx", m)
-        np.bitwise_xor(up, sref, out=spx)
 
         try_prefix_t = has_t if opt.effort >= 2 else related_t
         c_x, c_p = DECODE_COST_US[Method.XOR], DECODE_COST_US[Method.PREFIX]
@@ -395,7 +391,8 @@ class Encoder:
             flags[hot] = (F_LZ4 | hot_xor_t * F_XOR_T | hot_xor_s * F_XOR_S | opt.patch * F_PATCH)[hot]
             odds = self.odds
             astats = None if odds is None else np.zeros(2 * ATTEMPT_SLOTS, dtype=np.uint64)
-            res = z.encode_batch(m, up, tpages, xpages, sref, spx, flags, TINY_DELTA_BYTES, DELTA_MIN_GAIN_BYTES,
+            # The XORs are made in C, page by page, where the flags use them.
+            res = z.encode_batch(m, up, tpages, None, sref, None, flags, TINY_DELTA_BYTES, DELTA_MIN_GAIN_BYTES,
                                  SMALL_ENOUGH_BYTES, opt.raw_threshold_bytes, lz4page.HOT_LZ4_LEVEL,
                                  out=self._scratch("out", -(-m * BOUND_BYTES // PAGE_SIZE)).reshape(-1),
                                  odds=None if odds is None else odds.table(), astats=astats,
@@ -405,6 +402,8 @@ class Encoder:
                     odds.note(astats)
                 self._take_native(plan, res, uniq, prow_all, pidx, key, check, fps, s_kind, s_ref)
                 return
+        xpages = np.bitwise_xor(up, tpages, out=self._scratch("x", m))
+        spx = np.bitwise_xor(up, sref, out=self._scratch("sx", m))
         self._python_loop(plan, up, tpages, xpages, sref, spx, do_xor_t, try_prefix_t, has_s, do_xor_s,
                           s_kind, s_ref, s_cost, pidx, uniq, prow_all, key, check, fps, hot, hot_xor_t, hot_xor_s)
 

@@ -63,7 +63,7 @@ from azqemu.memory.storebooks import StoreBooks
 from azqemu.memory.storewrite import StoreWriter
 from azqemu.memory.template import TemplateImage
 from azqemu.memory.zstdlib import DEFAULT_LEVEL, PageZstd
-from azqemu.pages import in_sorted
+from azqemu.pages import in_sorted, union_idx, unique_idx
 
 _KIND_ZERO, _KIND_TEMPLATE = int(Kind.ZERO), int(Kind.TEMPLATE)
 _REFTYPE_BLOB = int(RefType.BLOB)
@@ -357,7 +357,7 @@ class PageStore(StoreWriter, StoreBooks):
         self._publish(sandbox)
         raw_now = new_pages[~stored]
         old_raw = sb.raw[~in_sorted(sb.raw, new_sorted)]
-        sb.raw = np.union1d(old_raw, raw_now).astype(np.uint32)
+        sb.raw = union_idx(old_raw, raw_now).astype(np.uint32)
         self._dirty.add(sandbox)
         # Result figures.
         counts = np.bincount(kind, minlength=len(Kind))
@@ -509,7 +509,7 @@ class PageStore(StoreWriter, StoreBooks):
         page_idx = np.asarray(page_idx, dtype=np.int64)
         with self._lock:
             sb = self._sandbox(sandbox)
-            page_idx = np.unique(page_idx)
+            page_idx = unique_idx(page_idx)
             none = np.empty(0, dtype=np.int64)
             index, gone = sb.index.replaced(page_idx, none, none, none, none)
             if len(gone[0]):

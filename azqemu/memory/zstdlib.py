@@ -90,7 +90,7 @@ _LIB = _load_libzstd()
 F_XOR_T, F_PREFIX_T, F_XOR_S, F_PREFIX_S, F_HAS_S, F_LZ4, F_PATCH = 1, 2, 4, 8, 16, 32, 64
 (C_ZSTD, C_XOR_T, C_PREFIX_T, C_XOR_S, C_PREFIX_S, C_LZ4, C_LZ4_XOR_T, C_LZ4_XOR_S, C_PATCH_T, C_PATCH_S,
  C_RAW) = 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 255
-NATIVE_ABI = 7
+NATIVE_ABI = 8
 # The encoder's follow-up attempts whose odds the caller sets (A_* of _pagecodec.c: plain zstd
 # after the XOR, the template prefix after the XOR or alone, the SDELTA pair), each in four
 # buckets of the best payload so far (<= 512, 1024, 2048 bytes, more).
@@ -148,6 +148,8 @@ def _load_native() -> Any | None:
         lib.azq_classify.argtypes = [ctypes.c_long, _V, _V, _V, ctypes.c_long, _V, _I, _I]
         lib.azq_rows_equal.restype = _I
         lib.azq_rows_equal.argtypes = [ctypes.c_long, _V, _V, ctypes.c_long, _V, _V, ctypes.c_long, _V]
+        lib.azq_compact_rows.restype = _I
+        lib.azq_compact_rows.argtypes = [_V, ctypes.c_long, _V, ctypes.c_long]
         lib.azq_gather.restype = None
         lib.azq_gather.argtypes = [_I, _V, _V, _V]
         lib.azq_set_helpers.restype = _I
@@ -312,13 +314,14 @@ class PageZstd:
             raise StoreCorrupt(what, "malformed PATCH payload")
 
     # -- batch loops in C (see _pagecodec.c) -------------------------------------------------
-    def encode_batch(self, m: int, up: np.ndarray, tp: np.ndarray, xp: np.ndarray, sp: np.ndarray,
-                     sxp: np.ndarray, flags: np.ndarray, tiny: int, gain: int, small: int, raw_limit: int,
+    def encode_batch(self, m: int, up: np.ndarray, tp: np.ndarray, xp: np.ndarray | None, sp: np.ndarray,
+                     sxp: np.ndarray | None, flags: np.ndarray, tiny: int, gain: int, small: int, raw_limit: int,
                      lz4_level: int = 0, out: np.ndarray | None = None, odds: np.ndarray | None = None,
                      astats: np.ndarray | None = None, seed: int = 0,
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
         """Run the attempts of ``m`` pages in C: (out, off, length, choice, tries) or None on
-        failure. ``out``: a contiguous uint8 buffer of m * BOUND_BYTES or more for the payloads
+        failure. ``xp`` and ``sxp`` (page^template, page^reference) may be None: C makes each
+        page's XOR when its flags use it. ``out``: a contiguous uint8 buffer of m * BOUND_BYTES or more for the payloads
         (reused by the caller: the payloads are copied out before the next batch). ``odds``
         (uint8, ATTEMPT_SLOTS): the follow-up attempts' odds out of 256 (None: every attempt);
         ``astats`` (uint64, 2 * ATTEMPT_SLOTS): where their tries and saved bytes are added;
@@ -333,7 +336,8 @@ class PageZstd:
         flags = np.ascontiguousarray(flags, dtype=np.uint8)
         assert self.native is not None
         used = self.native.azq_encode_batch(
-            ctx.cctx, m, up.ctypes.data, tp.ctypes.data, xp.ctypes.data, sp.ctypes.data, sxp.ctypes.data,
+            ctx.cctx, m, up.ctypes.data, tp.ctypes.data, None if xp is None else xp.ctypes.data, sp.ctypes.data,
+            None if sxp is None else sxp.ctypes.data,
             flags.ctypes.data, tiny, gain, small, raw_limit, lz4_level, out.ctypes.data, out.nbytes, off.ctypes.data,
             length.ctypes.data, choice.ctypes.data, tries.ctypes.data, _ptr(odds, np.uint8, ATTEMPT_SLOTS),
             _ptr(astats, np.uint64, 2 * ATTEMPT_SLOTS), seed & 0xFFFFFFFF)
@@ -399,6 +403,20 @@ def rows_equal(a: np.ndarray, a_row: np.ndarray, b: np.ndarray, b_row: np.ndarra
                                                          br.ctypes.data, len(b), eq.ctypes.data)) == 0:
         return eq.astype(bool)
     return (a[ar].view(np.uint64) == b[br].view(np.uint64)).all(axis=1)
+
+
+def compact_rows(pages: np.ndarray, rows: np.ndarray) -> np.ndarray | None:
+    """Move rows ``rows`` (strictly ascending) of ``pages`` to its first ``len(rows)`` rows,
+    in place, and return that view; None where _pagecodec.so is not built or ``pages`` is not
+    C-contiguous page rows (the caller copies them elsewhere). A bad row raises IndexError."""
+    lib = _NATIVE
+    if lib is None or not (pages.dtype == np.uint8 and pages.flags.c_contiguous and pages.ndim == 2
+                           and pages.shape[1] == PAGE_SIZE and pages.flags.writeable):
+        return None
+    r = np.ascontiguousarray(rows, dtype=np.int64)
+    if int(lib.azq_compact_rows(pages.ctypes.data, len(pages), r.ctypes.data, len(r))) != 0:
+        raise IndexError(f"compact_rows: rows must ascend strictly within 0..{len(pages) - 1}")
+    return pages[:len(r)]
 
 
 def native_available() -> bool:

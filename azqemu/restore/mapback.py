@@ -14,7 +14,7 @@ import errno
 import numpy as np
 
 from azqemu.host.pagemap import unmapped_pages
-from azqemu.pages import page_runs
+from azqemu.pages import page_runs, unique_idx
 from azqemu.restore import uffd as uffd_ops
 from azqemu.restore.errors import UffdIoctlError
 from azqemu.restore.export import RamMapping
@@ -31,7 +31,7 @@ def map_from_file(uffd: int, block: RamMapping, page_idxs: np.ndarray, *, zero: 
     sandbox's own. Pages already mapped are skipped. Returns pages mapped."""
     idx = np.asarray(page_idxs, dtype=np.int64)
     if len(idx) > 1 and not bool((idx[1:] > idx[:-1]).all()):   # callers mostly pass sorted sets
-        idx = np.unique(idx)
+        idx = unique_idx(idx)
     ps = block.page_size
     mapped = 0
     starts, lengths = page_runs(idx)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from azqemu.host.threads import name_os_thread, run_at_nice, thread_nice
+from azqemu.pages import unique_idx
 from azqemu.restore import uffd_abi as abi
 from azqemu.restore.errors import PageUnavailable, UffdIoctlError
 from azqemu.restore.export import RamMapping
@@ -154,7 +155,7 @@ class Prefetcher:
     def prefetch(self, block: RamMapping, page_idxs: object, source: PageSource) -> PrefetchResult:
         """Place pages ``page_idxs`` (indices from the block start) of ``block``."""
         t_start = time.perf_counter()
-        idx = np.unique(np.asarray(page_idxs, dtype=np.int64))
+        idx = unique_idx(np.asarray(page_idxs, dtype=np.int64))
         if len(idx) and (idx[0] < 0 or idx[-1] >= block.page_count):
             raise PageUnavailable(block.offset, f"page index outside 0..{block.page_count - 1}")
         ps = block.page_size

@@ -7,7 +7,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from azqemu.pages import PAGE_SIZE, Scratch, in_sorted, page_runs, scratch_rows, take_rows
+from azqemu.pages import (
+    PAGE_SIZE,
+    Scratch,
+    in_sorted,
+    intersect_idx,
+    page_runs,
+    scratch_rows,
+    setdiff_idx,
+    take_rows,
+    union_idx,
+    unique_counts,
+    unique_idx,
+)
 
 
 def test_page_runs() -> None:
@@ -38,3 +50,21 @@ def test_in_sorted_is_isin_for_a_sorted_set(values: list[int], members: list[int
     v = np.array(values, dtype=np.uint32)
     m = np.sort(np.array(members, dtype=np.int64))
     np.testing.assert_array_equal(in_sorted(v, m), np.isin(v, m))
+
+
+_IDX = st.lists(st.integers(0, 300), max_size=60)
+
+
+@settings(max_examples=200, deadline=None)
+@given(a=_IDX, b=_IDX, sort_a=st.booleans(), b_dtype=st.sampled_from([np.int64, np.uint32]))
+def test_set_helpers_are_numpys_set_functions(a: list[int], b: list[int], sort_a: bool, b_dtype: type) -> None:
+    """The sort-based set functions give numpy's results, values and dtype, sorted input or not."""
+    x = np.array(sorted(a) if sort_a else a, dtype=np.int64)
+    y = np.array(b, dtype=b_dtype)
+    for ours, numpys in ((union_idx, np.union1d), (setdiff_idx, np.setdiff1d), (intersect_idx, np.intersect1d)):
+        got, want = ours(x, y), numpys(x, y)
+        assert got.dtype == want.dtype and got.tolist() == want.tolist(), ours.__name__
+    assert unique_idx(x).tolist() == np.unique(x).tolist()
+    u, c = unique_counts(y)
+    wu, wc = np.unique(y, return_counts=True)
+    assert u.dtype == wu.dtype and u.tolist() == wu.tolist() and c.tolist() == wc.tolist()

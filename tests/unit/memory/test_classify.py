@@ -285,3 +285,36 @@ def test_rows_equal_refuses_rows_outside_in_c_and_numpy_says_so() -> None:
     a = np.zeros((2, PAGE_SIZE), dtype=np.uint8)
     with pytest.raises(IndexError):
         zstdlib.rows_equal(a, np.array([0, 5]), a, np.array([0, 1]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(keep=st.lists(st.booleans(), min_size=0, max_size=24), seed=st.integers(0, 2**16))
+def test_compact_rows_moves_the_kept_rows_up_in_place(keep, seed) -> None:
+    """ramscan.without_rows's in-place compaction: rows kept, in order, at the front of the
+    same buffer; what follows them is not read."""
+    from azqemu.memory import zstdlib
+
+    rng = np.random.default_rng(seed)
+    pages = rng.integers(0, 256, size=(len(keep), PAGE_SIZE), dtype=np.uint8)
+    rows = np.flatnonzero(np.array(keep, dtype=bool))
+    expect = pages[rows].copy()
+    moved = zstdlib.compact_rows(pages, rows)
+    if not native_available():
+        assert moved is None
+        return
+    assert moved is not None and (len(rows) == 0 or np.shares_memory(moved, pages))
+    np.testing.assert_array_equal(moved, expect)
+
+
+@pytest.mark.skipif(not native_available(), reason="_pagecodec.so not built")
+def test_compact_rows_refuses_rows_out_of_order_or_range_and_moves_nothing() -> None:
+    from azqemu.memory import zstdlib
+
+    pages = np.repeat(np.arange(4, dtype=np.uint8)[:, None], PAGE_SIZE, axis=1)
+    before = pages.copy()
+    for rows in ([1, 1], [2, 1], [0, 4], [-1, 2]):
+        with pytest.raises(IndexError):
+            zstdlib.compact_rows(pages, np.array(rows))
+        np.testing.assert_array_equal(pages, before)
+    assert zstdlib.compact_rows(pages[::2], np.array([1])) is None      # not contiguous rows: the caller copies
+    assert zstdlib.compact_rows(np.ascontiguousarray(pages[:, :100]), np.array([0])) is None
