@@ -63,7 +63,6 @@ from azqemu.pages import (
     page_runs,
     setdiff_idx,
     union_idx,
-    unique_idx,
 )
 from azqemu.restore.export import UffdExport, UffdHandle
 from azqemu.restore.handler import FaultHandler
@@ -246,8 +245,9 @@ class SandboxMemory:
                 self.store.discard(self.name, np.concatenate(stored))
             raise
         empty = np.empty(0, dtype=np.int64)
-        return (unique_idx(np.concatenate(stored)) if stored else empty,
-                unique_idx(np.concatenate(raw)) if raw else empty)
+        # Chunks in page order: a stable sort (timsort) joins their runs in one pass.
+        return (np.sort(np.concatenate(stored), kind="stable") if stored else empty,
+                np.sort(np.concatenate(raw), kind="stable") if raw else empty)
 
     # -- compress -------------------------------------------------------------------------
     def compress(self, stop: Callable[[], bool] | None = None) -> CompressStats:
