@@ -77,16 +77,19 @@
 #define AZQ_IO_TIMEOUT_S 5
 
 /* Features asked of UFFDIO_API. MISSING_SHMEM is required (guest RAM is memfd or a
- * /dev/shm file). EVENT_REMOVE reports QEMU's discards (balloon, free page reporting:
- * fallocate PUNCH_HOLE then MADV_DONTNEED) on registered ranges so the manager learns
- * which pages the guest freed; it costs a blocking wait in QEMU's madvise until the
- * manager reads the event, only while the range is registered. THREAD_ID lets the
- * manager attribute faults to vCPU threads; MISSING_HUGETLBFS lets hugepage-backed RAM
- * work. Optional features are asked only if the kernel offers them. */
+ * /dev/shm file). THREAD_ID lets the manager attribute faults to vCPU threads;
+ * MISSING_HUGETLBFS lets hugepage-backed RAM work. Optional features are asked only if
+ * the kernel offers them. EVENT_REMOVE only when AZQ_UFFD_EVENT_REMOVE=1: it reports
+ * QEMU's own discards of registered RAM (balloon, free page reporting: fallocate
+ * PUNCH_HOLE then MADV_DONTNEED) so that a manager learns which pages the guest freed, but
+ * every madvise on a registered range then waits in the kernel until the manager has read
+ * its event. azqemu's domains have no balloon, so the only such madvise is the manager's
+ * own DISCARD, made while the guest is paused in a tool call: one wait per range (measured
+ * 5 ms for a trim's few pages, 0.1-0.5 s for thousands in scattered runs). */
 #define AZQ_FEATURES_REQUIRED ((uint64_t)UFFD_FEATURE_MISSING_SHMEM)
 #define AZQ_FEATURES_OPTIONAL                                                            \
-    ((uint64_t)(UFFD_FEATURE_EVENT_REMOVE | UFFD_FEATURE_THREAD_ID |                     \
-                UFFD_FEATURE_MISSING_HUGETLBFS | UFFD_FEATURE_MINOR_SHMEM))
+    ((uint64_t)(UFFD_FEATURE_THREAD_ID | UFFD_FEATURE_MISSING_HUGETLBFS | UFFD_FEATURE_MINOR_SHMEM))
+static uint64_t g_features_optional = AZQ_FEATURES_OPTIONAL;
 
 static char g_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
 static pid_t g_owner_pid;     /* only the process that bound the socket removes it */
@@ -223,7 +226,7 @@ static int uffd_from_dev(int dev_fd, int *err, const char **what)
         return -1;
     }
     api.api = UFFD_API;
-    api.features = AZQ_FEATURES_REQUIRED | (offered & AZQ_FEATURES_OPTIONAL);
+    api.features = AZQ_FEATURES_REQUIRED | (offered & g_features_optional);
     api.ioctls = 0;
     if (ioctl(uffd, UFFDIO_API, &api) < 0) {
         *err = errno;
@@ -232,7 +235,7 @@ static int uffd_from_dev(int dev_fd, int *err, const char **what)
         return -1;
     }
     /* The kernel answers with every feature it supports, not the enabled set. */
-    g_features = AZQ_FEATURES_REQUIRED | (offered & AZQ_FEATURES_OPTIONAL);
+    g_features = AZQ_FEATURES_REQUIRED | (offered & g_features_optional);
     g_offered = offered;
     g_api_ioctls = api.ioctls;
     return uffd;
@@ -783,6 +786,9 @@ __attribute__((constructor)) static void azq_uffd_init(void)
     const char *min = getenv("AZQ_UFFD_MIN_BYTES");
     if (min && min[0])
         g_min_bytes = strtoul(min, NULL, 0);
+    const char *remove = getenv("AZQ_UFFD_EVENT_REMOVE");
+    if (remove && strcmp(remove, "1") == 0)
+        g_features_optional |= UFFD_FEATURE_EVENT_REMOVE;
     const char *match = getenv("AZQ_UFFD_RAM_MATCH");
     if (match && match[0])
         snprintf(g_match, sizeof(g_match), "%s", match);

@@ -208,6 +208,9 @@ class TrimResult(Response):
     changed_pages: int = Field(0, description="Pages to drop that the guest wrote while the trim ran beside it: kept")
     encode_s: float = 0.0
     paused_s: float = Field(0.0, description="Time the vCPUs were paused (the check and the drop)")
+    verify_s: float = Field(0.0, description="Of paused_s: reading again and hashing the copies to drop")
+    drop_s: float = Field(0.0, description="Of paused_s: discarding them inside QEMU")
+    map_s: float = Field(0.0, description="Of paused_s: mapping the zero and template pages in their place")
     total_s: float = 0.0
 
 

@@ -416,9 +416,10 @@ class Lifecycle:
                     dom.resume()
             st = mem.trim(stop=self.memory.stop_test(name, ticket), paused=paused)
             log.debug("%s: trimmed %d of %d copies (%d zero, %d encoded, %d written meanwhile, cold after %.0f s,"
-                      " %.0f%% came back) in %.1f ms, %.1f ms paused", name, st.dropped_pages, st.resident_pages,
-                      st.zero_pages, st.encoded_pages, st.changed_pages, st.cold_after_s, 100 * mem.cold.last_refault,
-                      st.total_s * 1e3, st.paused_s * 1e3)
+                      " %.0f%% came back) in %.1f ms, %.1f ms paused (check %.1f, drop %.1f, map %.1f)", name,
+                      st.dropped_pages, st.resident_pages, st.zero_pages, st.encoded_pages, st.changed_pages,
+                      st.cold_after_s, 100 * mem.cold.last_refault, st.total_s * 1e3, st.paused_s * 1e3,
+                      st.verify_s * 1e3, st.drop_s * 1e3, st.map_s * 1e3)
             return asdict(st)
 
     def compress(self, name: str) -> dict[str, Any]:

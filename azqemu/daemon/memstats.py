@@ -53,7 +53,10 @@ class TrimStats:
     stored_pages: int = 0      # of those, now in the store (the rest mapped, or RAW and kept)
     changed_pages: int = 0     # to drop, but written while the trim ran beside the guest: kept
     encode_s: float = 0.0      # hashing and encoding, beside the guest (inside total_s)
-    paused_s: float = 0.0      # vCPUs paused: the check and the drop (plus the pause/resume calls)
+    paused_s: float = 0.0      # vCPUs paused: the check and the drop (not the pause/resume calls)
+    verify_s: float = 0.0      # of which: reading again and hashing the copies to drop
+    drop_s: float = 0.0        # of which: discarding them inside QEMU
+    map_s: float = 0.0         # of which: mapping the zero and template pages in their place
     total_s: float = 0.0
 
 

@@ -454,10 +454,13 @@ class SandboxMemory:
                     kept_back = ~self.scan.unchanged(drop, sort.key[rows], sort.check[rows], scratch)
                     st.changed_pages = int(np.count_nonzero(kept_back))
                     drop = drop[~kept_back]
+                    t3 = time.perf_counter()
                     self._discard_copies(drop)
                     st.dropped_pages = len(drop)
+                    t4 = time.perf_counter()
                     self._settle(free, mapped=len(free) > 0, dropped=drop, commit=False)
                     st.paused_s = time.perf_counter() - t2
+                    st.verify_s, st.drop_s, st.map_s = t3 - t2, t4 - t3, st.paused_s - (t4 - t2)
             except CompressCancelled:
                 # A resume or destroy came first: nothing dropped, the entries stay (_keep_entries).
                 drop = np.empty(0, dtype=np.int64)
