@@ -320,9 +320,10 @@ class PageZstd:
                      astats: np.ndarray | None = None, seed: int = 0,
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
         """Run the attempts of ``m`` pages in C: (out, off, length, choice, tries) or None on
-        failure. ``xp`` and ``sxp`` (page^template, page^reference) may be None: C makes each
-        page's XOR when its flags use it. ``out``: a contiguous uint8 buffer of m * BOUND_BYTES or more for the payloads
-        (reused by the caller: the payloads are copied out before the next batch). ``odds``
+        failure. ``xp`` and ``sxp`` (page^template, page^reference) may be None: C then makes
+        each page's XOR where its flags use it. ``out``: a contiguous uint8 buffer of
+        m * BOUND_BYTES or more for the payloads (reused by the caller: the payloads are copied
+        out before the next batch). ``odds``
         (uint8, ATTEMPT_SLOTS): the follow-up attempts' odds out of 256 (None: every attempt);
         ``astats`` (uint64, 2 * ATTEMPT_SLOTS): where their tries and saved bytes are added;
         ``seed``: of the draws."""
