@@ -22,9 +22,10 @@ from azqemu.memory.zstdlib import compact_rows
 from azqemu.pages import PAGE_SIZE, Scratch, scratch_rows, take_rows
 
 # 2 MiB: the read buffer, compacted in place (without_rows), and the encoder's work buffers
-# (three page arrays of 128 unique pages, the batch codec's output) are what a compression holds
-# above idle: ~4 MiB at this size, against ~25 MiB at the 8 MiB chunks before. Encode throughput measured the same at 512, 1024 and 2048 pages
-# (within the noise of a shared host: the per-call cost of PageStore.encode is small).
+# (three page arrays of 128 unique pages, the batch codec's output) are what a compression
+# holds above idle: ~4 MiB at this size, against ~25 MiB at the 8 MiB chunks before. Encode
+# throughput measured the same at 512, 1024 and 2048 pages (within the noise of a shared host:
+# the per-call cost of PageStore.encode is small).
 CHUNK_PAGES = 512
 
 

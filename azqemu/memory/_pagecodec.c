@@ -148,8 +148,9 @@ static long azq_encode_loop(ZSTD_CCtx *cctx, int m, const uint8_t *up, const uin
  * template page, page^template, the SDELTA reference and page^reference (rows only read when
  * the page's flags ask for them). xp and sxp may be NULL: each page's XOR is then made here,
  * in a buffer of one page, only for the pages whose flags use it (the caller need not fill
- * two arrays of XORs, fresh memory that costs a page fault per page on first use). The smallest payload is appended to out; its offset, length
- * and choice are reported (C_RAW with length 0 when even the best exceeds raw_limit).
+ * two arrays of XORs, fresh memory that costs a page fault per page on first use). The
+ * smallest payload is appended to out; its offset, length and choice are reported (C_RAW
+ * with length 0 when even the best exceeds raw_limit).
  * tries[0..5] count zstd, xor, prefix, sdelta, lz4 and patch attempts.
  * The attempts after the first payload (plain zstd after the XOR, the template prefix after
  * the XOR or after plain zstd, the SDELTA pair) are made with the odds the caller gives for
