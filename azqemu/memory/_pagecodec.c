@@ -170,7 +170,7 @@ long azq_encode_batch(ZSTD_CCtx *cctx, int m, const uint8_t *up, const uint8_t *
                       uint64_t *tries, const uint8_t *odds, uint64_t *astats, uint32_t seed)
 {
     uint8_t buf_a[BOUND], buf_b[BOUND], patch_a[PATCH_MAX + 8], patch_b[PATCH_MAX + 8];
-    uint64_t xor_t[PAGE / 8], xor_s[PAGE / 8];
+    uint8_t xor_t[PAGE], xor_s[PAGE];      /* xor_page copies by memcpy: no alignment needed */
     size_t pos = 0;
     void *hc_state = NULL;
     if (lz4_level > 0) {
@@ -179,7 +179,7 @@ long azq_encode_batch(ZSTD_CCtx *cctx, int m, const uint8_t *up, const uint8_t *
     }
     uint32_t rng = seed ? seed : 0x9e3779b9u;
     long rc = azq_encode_loop(cctx, m, up, tp, xp, sp, sxp, flags, tiny, gain, small, raw_limit, lz4_level,
-                              hc_state, buf_a, buf_b, patch_a, patch_b, (uint8_t *)xor_t, (uint8_t *)xor_s,
+                              hc_state, buf_a, buf_b, patch_a, patch_b, xor_t, xor_s,
                               out, out_cap, out_off, out_len, choice, tries, odds, astats, &rng, &pos);
     free(hc_state);
     return rc < 0 ? -1 : (long)pos;

@@ -367,6 +367,11 @@ class PageZstd:
                                                 None if chk is None else chk.ctypes.data))
 
 
+def _page_rows(x: np.ndarray) -> bool:
+    """Whether ``x`` is what the C loops take as pages: C-contiguous uint8 rows of a page."""
+    return x.dtype == np.uint8 and x.flags.c_contiguous and x.ndim == 2 and x.shape[1] == PAGE_SIZE
+
+
 def classify_native(pages: np.ndarray, rows: np.ndarray, tpages: np.ndarray, kind: np.ndarray,
                     k_zero: int, k_template: int) -> bool:
     """The zero / same-address template test of ``len(kind)`` pages in C (_pagecodec.c's
@@ -377,8 +382,7 @@ def classify_native(pages: np.ndarray, rows: np.ndarray, tpages: np.ndarray, kin
     lib = _NATIVE
     n = len(kind)
     if (lib is None or pages.dtype != np.uint8 or not pages.flags.c_contiguous or pages.size != n * PAGE_SIZE
-            or tpages.dtype != np.uint8 or not tpages.flags.c_contiguous or tpages.ndim != 2
-            or tpages.shape[1] != PAGE_SIZE or kind.dtype != np.uint8 or not kind.flags.c_contiguous
+            or not _page_rows(tpages) or kind.dtype != np.uint8 or not kind.flags.c_contiguous
             or not kind.flags.writeable or len(rows) != n):
         return False
     r = np.ascontiguousarray(rows, dtype=np.int64)
@@ -399,9 +403,9 @@ def rows_equal(a: np.ndarray, a_row: np.ndarray, b: np.ndarray, b_row: np.ndarra
     ar = np.ascontiguousarray(a_row, dtype=np.int64)
     br = np.ascontiguousarray(b_row, dtype=np.int64)
     lib = _NATIVE
-    ok = all(x.dtype == np.uint8 and x.flags.c_contiguous and x.ndim == 2 and x.shape[1] == PAGE_SIZE for x in (a, b))
-    if lib is not None and ok and int(lib.azq_rows_equal(n, a.ctypes.data, ar.ctypes.data, len(a), b.ctypes.data,
-                                                         br.ctypes.data, len(b), eq.ctypes.data)) == 0:
+    if (lib is not None and _page_rows(a) and _page_rows(b)
+            and int(lib.azq_rows_equal(n, a.ctypes.data, ar.ctypes.data, len(a), b.ctypes.data, br.ctypes.data,
+                                       len(b), eq.ctypes.data)) == 0):
         return eq.astype(bool)
     return (a[ar].view(np.uint64) == b[br].view(np.uint64)).all(axis=1)
 
@@ -411,8 +415,7 @@ def compact_rows(pages: np.ndarray, rows: np.ndarray) -> np.ndarray | None:
     in place, and return that view; None where _pagecodec.so is not built or ``pages`` is not
     C-contiguous page rows (the caller copies them elsewhere). A bad row raises IndexError."""
     lib = _NATIVE
-    if lib is None or not (pages.dtype == np.uint8 and pages.flags.c_contiguous and pages.ndim == 2
-                           and pages.shape[1] == PAGE_SIZE and pages.flags.writeable):
+    if lib is None or not (_page_rows(pages) and pages.flags.writeable):
         return None
     r = np.ascontiguousarray(rows, dtype=np.int64)
     if int(lib.azq_compact_rows(pages.ctypes.data, len(pages), r.ctypes.data, len(r))) != 0:
