@@ -34,6 +34,12 @@ COMPRESS_NICE = 19
 # Work a paused guest waits for (a trim in a tool call, a compression a tool call cancelled):
 # above the guests, as a fault is.
 PAUSED_GUEST_NICE = FAULT_HANDLER_NICE
+# A thread holding the page store's lock (memory/nativestore.py) holds up every fault thread
+# that needs it: it runs just above them until it lets go, whatever it was (a compression
+# worker at COMPRESS_NICE that lost the CPU to busy guests with the lock held stalled faults
+# for up to 0.4 s). One step above them, so that its release can tell its own boost from a
+# canceller's raise to PAUSED_GUEST_NICE, which stays.
+STORE_LOCK_NICE = FAULT_HANDLER_NICE - 1
 
 
 def thread_nice() -> int:
@@ -53,6 +59,21 @@ def set_thread_nice(nice: int) -> bool:
     except OSError as exc:
         log.debug("cannot set this thread's nice value to %d: %s", nice, exc)
         return False
+
+
+def boost_for_lock() -> int | None:
+    """Raise the calling thread to STORE_LOCK_NICE; returns the nice value to give back
+    (``unboost_after_lock``), None if it already ran that high or the kernel refused."""
+    nice = thread_nice()
+    if nice <= STORE_LOCK_NICE:
+        return None
+    return nice if set_thread_nice(STORE_LOCK_NICE) else None
+
+
+def unboost_after_lock(nice: int | None) -> None:
+    """Give back what ``boost_for_lock`` took, unless the thread's value changed since."""
+    if nice is not None and thread_nice() == STORE_LOCK_NICE:
+        set_thread_nice(nice)
 
 
 def set_nice_of(tid: int, nice: int) -> bool:

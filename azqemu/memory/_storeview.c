@@ -18,6 +18,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 typedef struct ZSTD_DCtx_s ZSTD_DCtx;
 ZSTD_DCtx *ZSTD_createDCtx(void);
@@ -36,7 +37,7 @@ unsigned ZSTD_isError(size_t code);
 
 #include "_pagepatch.h"      /* PATCH payloads (uses PAGE) */
 
-int azq_storeview_abi(void) { return 2; }
+int azq_storeview_abi(void) { return 3; }
 
 /* ---------------------------------------------------------------- helpers from Python */
 typedef int (*lz4_decompress_fn)(const char *src, char *dst, int compressedSize, int dstCapacity);
@@ -89,7 +90,13 @@ typedef struct azq_store {
     uint64_t n_blobs;
     const arena_slot *arenas;
     uint64_t n_arenas;
+    /* The fault side's waits for the lock, counted only where it was busy: a Python holder
+     * that lost the CPU (a niced thread on a busy host) or the GIL stalls every fault of
+     * every sandbox meanwhile. LOCK_W_* index the four counters. */
+    uint64_t waits[4];
 } azq_store;
+
+enum { LOCK_W_COUNT, LOCK_W_NS, LOCK_W_MAX_NS, LOCK_W_OVER_MS };
 
 typedef struct azq_view {             /* one sandbox of a store */
     azq_store *store;
@@ -130,6 +137,38 @@ void azq_store_free(azq_store *s)
 void azq_store_lock(azq_store *s) { pthread_mutex_lock(&s->lock); }
 int azq_store_trylock(azq_store *s) { return pthread_mutex_trylock(&s->lock) == 0; }
 void azq_store_unlock(azq_store *s) { pthread_mutex_unlock(&s->lock); }
+
+static int64_t mono_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* The lock as a fault takes it: an uncontended lock costs no clock read. */
+static void fault_side_lock(azq_store *s)
+{
+    if (pthread_mutex_trylock(&s->lock) == 0)
+        return;
+    int64_t t0 = mono_ns();
+    pthread_mutex_lock(&s->lock);
+    uint64_t ns = (uint64_t)(mono_ns() - t0);
+    __atomic_fetch_add(&s->waits[LOCK_W_COUNT], 1, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&s->waits[LOCK_W_NS], ns, __ATOMIC_RELAXED);
+    if (ns > 1000000)
+        __atomic_fetch_add(&s->waits[LOCK_W_OVER_MS], 1, __ATOMIC_RELAXED);
+    uint64_t max = __atomic_load_n(&s->waits[LOCK_W_MAX_NS], __ATOMIC_RELAXED);
+    while (ns > max && !__atomic_compare_exchange_n(&s->waits[LOCK_W_MAX_NS], &max, ns, 0, __ATOMIC_RELAXED,
+                                                     __ATOMIC_RELAXED))
+        ;
+}
+
+/* waits, total ns waited, longest wait ns, waits over 1 ms: cumulative since the store began. */
+void azq_store_lock_waits(azq_store *s, uint64_t *out)
+{
+    for (int i = 0; i < 4; i++)
+        out[i] = __atomic_load_n(&s->waits[i], __ATOMIC_RELAXED);
+}
 
 /* Publishers: called by Python with the lock held. */
 void azq_store_set_table(azq_store *s, const void *rows, uint64_t n) { s->rows = rows; s->n_blobs = n; }
@@ -331,7 +370,7 @@ static int view_decode(azq_view *v, uint64_t p, uint8_t *out, int in_place)
     const uint8_t *tsrc = NULL;
     uint64_t texpect = 0;
 
-    pthread_mutex_lock(&v->store->lock);
+    fault_side_lock(v->store);
     if (!v->present || !lookup(v, p, &kind, &flags, &ref)) {
         rc = DEC_NOT_STORED;
     } else if (kind == K_ZERO) {

@@ -20,16 +20,18 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from typing import Any
 
 import numpy as np
 
+from azqemu.host.threads import boost_for_lock, unboost_after_lock
 from azqemu.memory.blobtable import BLOB_DTYPE, BlobTable
 from azqemu.memory.pagehash import ZERO_CHECK
 from azqemu.memory.sbxindex import SandboxIndex
 from azqemu.memory.template import TemplateImage
 
-ABI = 2
+ABI = 3
 _V, _U64, _I = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int
 # The packed row the C side reads (blob_row in _storeview.c): checked against BLOB_DTYPE at load.
 _C_BLOB_OFFSETS = {"key": 0, "check": 8, "offset": 16, "ref": 20, "refcount": 24, "arena": 28, "length": 30,
@@ -62,6 +64,7 @@ def _load() -> Any | None:
                 ("azq_sv_page_check", [_V], _U64),
                 ("azq_store_new", [], _V), ("azq_store_free", [_V], None),
                 ("azq_store_lock", [_V], None), ("azq_store_trylock", [_V], _I), ("azq_store_unlock", [_V], None),
+                ("azq_store_lock_waits", [_V, _V], None),
                 ("azq_store_set_table", [_V, _V, _U64], None), ("azq_store_set_arenas", [_V, _V, _U64], None),
                 ("azq_view_new", [_V], _V), ("azq_view_free", [_V], None),
                 ("azq_view_set_index", [_V, _I, _V, _U64, _V, _V, _V, _V, _U64], None),
@@ -109,7 +112,9 @@ def _addr(buf: Any) -> int:
 
 class NativeLock:
     """A recursive lock that is a pthread mutex: PageStore's state lock when native faults are
-    on. ctypes releases the GIL around the calls, so a thread waiting here lets the others run."""
+    on. ctypes releases the GIL around the calls, so a thread waiting here lets the others run.
+    Its holder runs at STORE_LOCK_NICE until its outermost release (host/threads.py): a fault
+    thread waiting for the lock must not wait for a niced holder to get the CPU back."""
 
     def __init__(self) -> None:
         assert LIB is not None
@@ -117,22 +122,44 @@ class NativeLock:
         self.handle = LIB.azq_store_new()
         if not self.handle:
             raise MemoryError("azq_store_new")
+        self._held = threading.local()      # per thread: depth, and the nice value to give back
+        self._boost = os.environ.get("AZQ_STORE_LOCK_BOOST", "1") != "0"    # off: an ablation
+
+    def _took(self) -> None:
+        depth = getattr(self._held, "depth", 0)
+        if depth == 0:
+            self._held.nice = boost_for_lock() if self._boost else None
+        self._held.depth = depth + 1
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         if not blocking:
-            return bool(self._lib.azq_store_trylock(self.handle))
-        self._lib.azq_store_lock(self.handle)
+            if not self._lib.azq_store_trylock(self.handle):
+                return False
+        else:
+            self._lib.azq_store_lock(self.handle)
+        self._took()
         return True
 
     def release(self) -> None:
+        depth = self._held.depth - 1
+        self._held.depth = depth
         self._lib.azq_store_unlock(self.handle)
+        if depth == 0:
+            unboost_after_lock(self._held.nice)
 
     def __enter__(self) -> bool:
-        self._lib.azq_store_lock(self.handle)
-        return True
+        return self.acquire()
 
     def __exit__(self, *exc: object) -> None:
-        self._lib.azq_store_unlock(self.handle)
+        self.release()
+
+    def fault_waits(self) -> dict[str, float | int]:
+        """How long the fault side (C fault threads, the C prefetch decode) waited for this
+        lock where it was busy, cumulative: every such wait stalls a vCPU."""
+        out = np.zeros(4, dtype=np.uint64)
+        self._lib.azq_store_lock_waits(self.handle, out.ctypes.data)
+        return {"waits": int(out[0]), "wait_s": int(out[1]) / 1e9, "longest_us": int(out[2]) / 1e3,
+                "over_1ms": int(out[3])}
 
     def __del__(self) -> None:
         try:

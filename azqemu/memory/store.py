@@ -552,6 +552,11 @@ class PageStore(StoreWriter, StoreBooks):
             d = self._table.domains.get(domain)
         return {} if d is None else d.attempts.summary()
 
+    def fault_lock_waits(self) -> dict[str, float | int]:
+        """The C fault side's waits for the state lock (NativeLock.fault_waits); empty
+        without the native lookup (faults then take the Python lock, not counted)."""
+        return self._native.lock.fault_waits() if self._native is not None else {}
+
     # ------------------------------------------------------------------ persistence
     # flush, generation and compact_arena: StoreWriter (storewrite.py).
     def close(self) -> None:

@@ -6,10 +6,14 @@ test_concurrent_io.py."""
 
 from __future__ import annotations
 
+import os
+import threading
+
 import numpy as np
 import pytest
 
 from azqemu.errors import ChecksumMismatch, StoreError
+from azqemu.host import threads
 from azqemu.memory import nativestore
 from azqemu.memory.kinds import PAGE_SIZE, Method
 from azqemu.memory.nativestore import DEC_NOT_STORED, DEC_OK
@@ -120,3 +124,52 @@ def test_the_state_lock_is_the_native_mutex(store) -> None:
     with store._lock, store._lock:          # recursive, like the RLock it replaces
         assert store._lock.acquire(blocking=False)
         store._lock.release()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="raising a thread's priority needs CAP_SYS_NICE")
+def test_the_holder_runs_above_the_fault_threads_until_its_outermost_release(store) -> None:
+    """A niced holder (the compression worker) must not keep faults waiting for the CPU."""
+    seen: list[int] = []
+
+    def compressing() -> None:
+        threads.set_thread_nice(threads.COMPRESS_NICE)
+        with store._lock:
+            seen.append(threads.thread_nice())
+            with store._lock:
+                pass
+            seen.append(threads.thread_nice())      # still held: still raised
+        seen.append(threads.thread_nice())
+        assert store._lock.acquire(blocking=False)
+        seen.append(threads.thread_nice())
+        store._lock.release()
+        seen.append(threads.thread_nice())
+    t = threading.Thread(target=compressing)
+    t.start()
+    t.join(10)
+    up = threads.STORE_LOCK_NICE
+    assert seen == [up, up, threads.COMPRESS_NICE, up, threads.COMPRESS_NICE]
+
+
+def test_a_fault_that_finds_the_lock_held_is_counted_with_its_wait(store, small_set, small_template) -> None:
+    names = _fill(store, small_set, small_template)
+    page = int(store.stored_pages(names[0])[0])
+    view = store.native_view(names[0])
+    assert view is not None
+    try:
+        assert view.decode_into(page, np.empty(PAGE_SIZE, np.uint8)) == DEC_OK    # uncontended: not counted
+        assert store.fault_lock_waits()["waits"] == 0
+        done = threading.Event()
+
+        def fault() -> None:
+            view.decode_into(page, np.empty(PAGE_SIZE, np.uint8))
+            done.set()
+        with store._lock:
+            t = threading.Thread(target=fault)
+            t.start()
+            assert not done.wait(0.05)                # held here: the fault side waits
+        t.join(10)
+        waits = store.fault_lock_waits()
+        assert waits["waits"] == 1 and waits["wait_s"] >= 0.04 and waits["longest_us"] >= 40_000
+        assert waits["over_1ms"] == 1
+    finally:
+        store.release_native_view(view)
