@@ -44,6 +44,7 @@ from azqemu.daemon import metrics
 from azqemu.daemon.manager import Manager
 from azqemu.daemon.tags import SandboxTags, TtlReaper
 from azqemu.errors import ConfigError, DaemonError, NotRoot
+from azqemu.host import threads
 
 GIL_SWITCH_INTERVAL_S = 0.001
 # A new connection has this long to start its request (the old protocol's read timeout).
@@ -218,6 +219,8 @@ def serve(socket_path: Path | None = None) -> None:
     # Fault handler threads serve vCPUs that wait: let them take the GIL from a busy
     # thread (compression, a client request) within a millisecond, not CPython's 5 ms.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    # Every thread started from here inherits this value (host/threads.py, MANAGER_NICE).
+    threads.set_thread_nice(threads.MANAGER_NICE)
     metrics_listener = None
     reaper: TtlReaper | None = None
     unix_sock: socket.socket | None = None

@@ -34,6 +34,12 @@ COMPRESS_NICE = 19
 # Work a paused guest waits for (a trim in a tool call, a compression a tool call cancelled):
 # above the guests, as a fault is.
 PAUSED_GUEST_NICE = FAULT_HANDLER_NICE
+# The manager's own threads (requests, the scheduler, the agent links, the metadata writer)
+# run above the guests: each holds the GIL in turn, and a holder the scheduler left waiting
+# behind busy vCPUs holds up every other Python thread, among them one that holds the page
+# store's lock that the fault threads wait for (service-agent at 8 sandboxes: the fault side
+# waited 9.9 s on that lock in a round at nice 0, 6.1 s above the guests).
+MANAGER_NICE = -5
 # A thread holding the page store's lock (memory/nativestore.py) holds up every fault thread
 # that needs it: it runs just above them until it lets go, whatever it was (a compression
 # worker at COMPRESS_NICE that lost the CPU to busy guests with the lock held stalled faults

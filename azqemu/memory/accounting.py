@@ -13,6 +13,7 @@ a domain they give the domain's bytes (tests check this).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
@@ -88,7 +89,50 @@ class StoreBytes:
         return asdict(self)
 
 
-def blob_costs(table: BlobTable, d: DomainState) -> np.ndarray:
+# The blob table's columns the books read.
+_BOOKS_FIELDS = ("ref", "refcount", "length", "domain", "method", "reftype")
+
+
+@dataclass(frozen=True)
+class TableSnapshot:
+    """What the books read of a store, copied under its state lock by ``of``: the arithmetic
+    then runs without the lock, which every fault thread takes to look a page up (a sampler's
+    books of 8 sandboxes held it 12-17 ms, each fault meanwhile stalling its vCPU). Answers
+    the BlobTable calls the books make."""
+
+    rows: np.ndarray                              # the columns of _BOOKS_FIELDS, rows[:n]
+    n: int
+    domains: dict[str, DomainState]
+    members: dict[str, list[StoredSandbox]]       # by domain, in name order
+    sandboxes: dict[str, StoredSandbox]           # shallow copies: the index and RAW list of then
+    _sim_sources: dict[str, np.ndarray]
+    _sim_bytes: dict[str, int]
+
+    @classmethod
+    def of(cls, table: BlobTable, sandboxes: dict[str, StoredSandbox], names: Iterable[str] | None = None,
+           domains: Iterable[str] | None = None) -> TableSnapshot:
+        """Call with the store's lock held: the books of ``names`` (default: every sandbox)
+        and of ``domains`` (default: every domain)."""
+        n = table.n
+        rows = np.empty(n, dtype=[(f, BLOB_DTYPE.fields[f][0]) for f in _BOOKS_FIELDS])  # type: ignore[index]
+        for f in _BOOKS_FIELDS:
+            rows[f] = table.rows[f][:n]
+        doms = dict(table.domains) if domains is None else {k: table.domains[k] for k in domains}
+        want = sandboxes.keys() if names is None else [k for k in names if k in sandboxes]
+        return cls(rows, n, doms,
+                   {k: [copy.copy(sandboxes[s]) for s in sorted(d.sandboxes)] for k, d in doms.items()},
+                   {k: copy.copy(sandboxes[k]) for k in want},
+                   {k: table.sim_sources(d) for k, d in doms.items()},
+                   {k: table.sim_entry_bytes(d) for k, d in doms.items()})
+
+    def sim_entries_per_blob(self, d: DomainState) -> np.ndarray:
+        return np.bincount(self._sim_sources[d.name], minlength=self.n)[:self.n]
+
+    def sim_entry_bytes(self, d: DomainState) -> int:
+        return self._sim_bytes[d.name]
+
+
+def blob_costs(table: BlobTable | TableSnapshot, d: DomainState) -> np.ndarray:
     """Cost of each blob id of domain ``d`` (0 for others): payload + metadata bytes."""
     n = table.n
     rows = table.rows[:n]
@@ -99,7 +143,7 @@ def blob_costs(table: BlobTable, d: DomainState) -> np.ndarray:
     return np.where(live, cost, 0.0)
 
 
-def sandbox_shares(table: BlobTable, cost: np.ndarray, refs: np.ndarray) -> tuple[float, float]:
+def sandbox_shares(table: BlobTable | TableSnapshot, cost: np.ndarray, refs: np.ndarray) -> tuple[float, float]:
     """(private, shared) bytes for a sandbox holding one reference to each blob in ``refs``."""
     if len(refs) == 0:
         return 0.0, 0.0
@@ -125,7 +169,7 @@ def raw_page_bytes(n_raw: int) -> int:
     return n_raw * PAGE_SIZE
 
 
-def sandbox_books(table: BlobTable, sandboxes: Iterable[StoredSandbox],
+def sandbox_books(table: BlobTable | TableSnapshot, sandboxes: Iterable[StoredSandbox],
                   costs: dict[str, np.ndarray] | None = None) -> dict[str, OwnedBytes]:
     """``OwnedBytes`` of each sandbox by name, the blob costs of each sharing domain computed
     once: a sampling of 16 sandboxes otherwise walks the whole blob table 16 times (a fifth of
@@ -142,7 +186,7 @@ def sandbox_books(table: BlobTable, sandboxes: Iterable[StoredSandbox],
     return out
 
 
-def domain_books(table: BlobTable, d: DomainState, sandboxes: list[StoredSandbox],
+def domain_books(table: BlobTable | TableSnapshot, d: DomainState, sandboxes: list[StoredSandbox],
                  cost: np.ndarray | None = None) -> DomainBytes:
     """``DomainBytes`` of sharing domain ``d`` whose sandboxes are ``sandboxes`` (``cost``:
     its ``blob_costs``, if known)."""
@@ -154,12 +198,11 @@ def domain_books(table: BlobTable, d: DomainState, sandboxes: list[StoredSandbox
                        sum(raw_page_bytes(len(s.raw)) for s in sandboxes))
 
 
-def store_books(table: BlobTable, sandboxes: dict[str, StoredSandbox],
-                names: Iterable[str]) -> tuple[int, dict[str, OwnedBytes]]:
+def store_books(snap: TableSnapshot) -> tuple[int, dict[str, OwnedBytes]]:
     """Every domain's ``DomainBytes.total_bytes`` summed, and the ``OwnedBytes`` of the
-    sandboxes ``names`` (those stored): each domain's blob costs computed once for both (a
-    1 Hz sampler asking for the two walked the blob table twice a domain)."""
-    costs = {name: blob_costs(table, d) for name, d in table.domains.items()}
-    total = sum(domain_books(table, d, [sandboxes[s] for s in sorted(d.sandboxes)], costs[name]).total_bytes
-                for name, d in table.domains.items())
-    return total, sandbox_books(table, [sb for n in names if (sb := sandboxes.get(n)) is not None], costs)
+    snapshot's sandboxes: each domain's blob costs computed once for both (a 1 Hz sampler
+    asking for the two walked the blob table twice a domain)."""
+    costs = {name: blob_costs(snap, d) for name, d in snap.domains.items()}
+    total = sum(domain_books(snap, d, snap.members[name], costs[name]).total_bytes
+                for name, d in snap.domains.items())
+    return total, sandbox_books(snap, snap.sandboxes.values(), costs)

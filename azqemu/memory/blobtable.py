@@ -283,9 +283,19 @@ class BlobTable:
             return np.zeros(self.n, dtype=np.int64)
         return np.bincount(d.sim.sources.astype(np.int64), minlength=self.n)[:self.n]
 
+    def sim_sources(self, d: DomainState) -> np.ndarray:
+        """The blob id of every similarity-index entry of ``d``, young and pending ones too
+        (a copy; no merge: the books need counts, not an ordered index)."""
+        parts = [d.sim.sources, d.sim_young.sources] + [p.sources for p in d.sim_pending]
+        return np.concatenate(parts).astype(np.int64)
+
     def sim_entry_bytes(self, d: DomainState) -> int:
-        self._merge_sim(d)
-        return d.sim.keys.itemsize + d.sim.sources.itemsize if len(d.sim) else 12
+        """Bytes of one similarity-index entry of ``d`` (the first part that has entries says:
+        sources keep the encoder's dtype; no merge for a figure)."""
+        for part in [d.sim, d.sim_young] + d.sim_pending:
+            if len(part):
+                return int(part.keys.itemsize + part.sources.itemsize)
+        return 12
 
 
 def _merged_sorted(runs: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:

@@ -40,7 +40,7 @@ import numpy as np
 
 from azqemu.errors import StoreCorrupt, StoreError
 from azqemu.memory import nativestore
-from azqemu.memory.accounting import OwnedBytes, sandbox_books
+from azqemu.memory.accounting import OwnedBytes
 from azqemu.memory.arena import DEFAULT_ARENA_BYTES, ArenaSet
 from azqemu.memory.blobtable import BLOB_DTYPE, BlobTable, DomainState, in_domain_indices
 from azqemu.memory.crashpoint import crash_point
@@ -543,8 +543,10 @@ class PageStore(StoreWriter, StoreBooks):
     # ------------------------------------------------------------------ accounting
     # owned_bytes_many, domain_bytes, total_bytes, books: StoreBooks (storebooks.py).
     def owned_bytes(self, sandbox: str) -> OwnedBytes:
-        with self._lock:
-            return sandbox_books(self._table, [self._sandbox(sandbox)])[sandbox]
+        got = self.owned_bytes_many([sandbox]).get(sandbox)
+        if got is None:
+            raise NotStored(sandbox)
+        return got
 
     def attempt_summary(self, domain: str) -> dict[str, list[float | None]]:
         """Bytes a try of each follow-up attempt saved lately on ``domain`` (attempts.py)."""

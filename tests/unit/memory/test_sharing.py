@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import tempfile
+import threading
 
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from azqemu.memory import accounting
+from azqemu.memory.accounting import domain_books, sandbox_books
 from azqemu.memory.kinds import PAGE_SIZE, Kind
 from azqemu.memory.store import PageStore
 
@@ -141,3 +144,38 @@ def test_owned_bytes_many_reads_as_one_at_a_time(store, small_set, small_templat
     total, together = store.books([*names, "gone"])
     assert total == store.total_bytes() and together == books
     assert total.total_bytes == sum(store.domain_bytes(d).total_bytes for d in ("d", "e"))
+
+
+def test_books_from_the_snapshot_equal_the_books_of_the_live_table(store, small_set, small_template) -> None:
+    """The copy taken under the lock holds everything the books read: the figures are those
+    computed on the store's own table (young and pending similarity entries unmerged too)."""
+    for k, (idx, pages) in enumerate(small_set.sandboxes):
+        store.encode(f"s{k}", "d" if k else "e", idx, pages, small_template)
+    names = [f"s{k}" for k in range(len(small_set.sandboxes))]
+    with store._lock:
+        live = sandbox_books(store._table, [store._sandboxes[n] for n in names])
+        live_domains = {name: domain_books(store._table, d, [store._sandboxes[s] for s in sorted(d.sandboxes)])
+                        for name, d in store._table.domains.items()}
+    assert store.owned_bytes_many(names) == live
+    for name, want in live_domains.items():
+        assert store.domain_bytes(name) == want
+
+
+def test_the_books_are_computed_without_the_store_lock(store, small_set, small_template, monkeypatch) -> None:
+    """Every fault thread takes the store's lock: the arithmetic of a sampler's books must not
+    run under it (only the copy does)."""
+    for k, (idx, pages) in enumerate(small_set.sandboxes):
+        store.encode(f"s{k}", "d", idx, pages, small_template)
+    free: list[bool] = []
+    real = accounting.blob_costs
+
+    def checking(*args, **kwargs):
+        t = threading.Thread(target=lambda: free.append(store._lock.acquire(blocking=False) and
+                                                        (store._lock.release() or True)))
+        t.start()
+        t.join(10)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(accounting, "blob_costs", checking)
+    store.owned_bytes_many(["s0", "s1"])
+    store.books(["s0"])
+    assert free == [True, True]
