@@ -37,8 +37,8 @@ PAUSED_GUEST_NICE = FAULT_HANDLER_NICE
 # The manager's own threads (requests, the scheduler, the agent links, the metadata writer)
 # run above the guests: each holds the GIL in turn, and a holder the scheduler left waiting
 # behind busy vCPUs holds up every other Python thread, among them one that holds the page
-# store's lock that the fault threads wait for (service-agent at 8 sandboxes: the fault side
-# waited 9.9 s on that lock in a round at nice 0, 6.1 s above the guests).
+# store's lock that the fault threads wait for (service-agent at 8 sandboxes, one round each:
+# the fault side waited 9.9 s on that lock at nice 0, 8.8 s above the guests; single rounds).
 MANAGER_NICE = -5
 # A thread holding the page store's lock (memory/nativestore.py) holds up every fault thread
 # that needs it: it runs just above them until it lets go, whatever it was (a compression
