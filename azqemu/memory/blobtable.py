@@ -290,12 +290,10 @@ class BlobTable:
         return np.concatenate(parts).astype(np.int64)
 
     def sim_entry_bytes(self, d: DomainState) -> int:
-        """Bytes of one similarity-index entry of ``d`` (the first part that has entries says:
-        sources keep the encoder's dtype; no merge for a figure)."""
-        for part in [d.sim, d.sim_young] + d.sim_pending:
-            if len(part):
-                return int(part.keys.itemsize + part.sources.itemsize)
-        return 12
+        """Bytes of one entry of ``d``'s similarity index as merged (SimilarityIndex.merged
+        keeps u32 sources, as the store file does). No merge for a figure: the young and
+        pending entries cost the same once merged."""
+        return int(d.sim.keys.itemsize + d.sim.sources.itemsize) if len(d.sim) else 12
 
 
 def _merged_sorted(runs: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
