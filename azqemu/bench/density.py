@@ -249,8 +249,8 @@ def run_policy(c: Client, template: str, wl: Workload, plan: list[list[Step]], p
         last = sampler.last
         run.extra["compress_s_total"] = float(sum(last.get(x, {}).get("compress_s_total", 0.0) for x in names))
         run.extra["restore_s_total"] = float(sum(last.get(x, {}).get("restore_s_total", 0.0) for x in names))
-        run.extra["compress_cpu_s_total"] = float(sum(last.get(x, {}).get("compress_cpu_s_total", 0.0)
-                                                      for x in names))
+        for key in ("compress_cpu_s_total", "compress_cpu_loops_below_s_total"):
+            run.extra[key] = float(sum(last.get(x, {}).get(key, 0.0) for x in names))
         run.extra.update(compress_cpu_per_wait(c, names))
         run.extra["host_parts_bytes_avg"] = {part: _twa(sampler.t_s, y) for part, y in sampler.parts.items()}
         run.series = {"t_s": sampler.t_s, "owned_bytes": sampler.owned, "host_used_bytes": sampler.host_used,

@@ -51,9 +51,16 @@ class CpuSnapshot:
                 "host_cpu_busy_share": busy / total if total > 0 else float("nan")}
 
 
+def _below(p: dict[str, Any]) -> str:
+    """Of a compressing policy's compression CPU, what its C loops ran below the guests while
+    the rest ran above them (AZQ_COMPRESS_LOOPS_BELOW=1; else the whole worker runs below)."""
+    total, below = p.get("compress_cpu_s_total") or 0.0, p.get("compress_cpu_loops_below_s_total") or 0.0
+    return f" (compression {total:.1f} s, {below:.1f} s of it in C loops below the guests)" if below > 0 else ""
+
+
 def markdown_note(result: dict[str, Any]) -> str:
     """One line: each policy's CPU over its workload (manager, QEMUs, busy share of the host)."""
-    parts = [f"{name}: manager {p['manager_cpu_s']:.1f} s, QEMUs {p['qemu_cpu_s']:.1f} s, "
+    parts = [f"{name}: manager {p['manager_cpu_s']:.1f} s{_below(p)}, QEMUs {p['qemu_cpu_s']:.1f} s, "
              f"host busy {p['host_cpu_busy_share']:.0%}"
              for name, p in result["policies"].items() if "manager_cpu_s" in p]
     return ("Host CPU over the workload (a manager's CPU is taken from the guests when they "

@@ -14,7 +14,9 @@ Optional keys this module understands (added, never renamed):
     policies[P]["tool_latencies_s"] = [...]  every tool call's latency (CDF plot);
     policies[P]["qemu_own_bytes_avg"], result["template_bytes"], result["seed"], result["scale"];
     policies[P]["host_cost_bytes_avg"], ["host_cost_bytes_peak"] (host used above idle minus
-    QEMU's own memory), ["manager_anon_above_idle_bytes_avg"], ["compress_cpu_s_total"],
+    QEMU's own memory), ["manager_anon_above_idle_bytes_avg"], ["compress_cpu_s_total"] and
+    ["compress_cpu_loops_below_s_total"] (its part in C loops run below the guests while
+    the rest ran above them: AZQ_COMPRESS_LOOPS_BELOW=1; 0 otherwise),
     ["compress_cpu_s_per_wait"] (per finished compression; null without one),
     ["compress_encoded_bytes_total"] and ["compress_cpu_s_per_encoded_mib"] (per MiB of pages
     new or changed since they were stored: about what the guest wrote; null without one).

@@ -176,6 +176,7 @@ class Accounting:
                                                             ram_anon_bytes=int(resident) if rec.ram_mode == "cow" else 0),
                       "compress_s_total": mem.compress_s_total if mem else 0.0,
                       "compress_cpu_s_total": self.memory.compress_cpu_s.get(name, 0.0),
+                      "compress_cpu_loops_below_s_total": self.memory.compress_cpu_loops_below_s.get(name, 0.0),
                       "compress_encoded_bytes_total": self.memory.compress_encoded_bytes.get(name, 0),
                       "restore_s_total": mem.restore_s_total if mem else 0.0}
 

@@ -40,6 +40,7 @@ from azqemu.daemon.states import State
 from azqemu.daemon.watch import DomainWatcher
 from azqemu.errors import SandboxNotFound
 from azqemu.host import doctor
+from azqemu.memory import zstdlib
 from azqemu.sched import policy as policy_mod
 from azqemu.sched.agentlink import AgentLinks
 from azqemu.sched.scheduler import Scheduler
@@ -68,7 +69,10 @@ class Manager:
         self.lifecycle = Lifecycle(self.registry, self.memory, publish=self.events.publish)
         self.schedsvc = SchedService(self.registry, self.lifecycle, self.accounting, publish=self.events.publish)
         self.reconcile()
-        self.scheduler = Scheduler(self.schedsvc)
+        # AZQ_COMPRESS_LOOPS_BELOW=1: only the compression worker's C loops at nice 19, the rest
+        # above the guests (host/threads.py, background_worker: measured as a trade, off).
+        loops_below = os.environ.get("AZQ_COMPRESS_LOOPS_BELOW", "0") == "1"
+        self.scheduler = Scheduler(self.schedsvc, run_loops_below=zstdlib.run_loops_below if loops_below else None)
         self.agent_links = AgentLinks(self.schedsvc.agent_sockets, self.schedsvc.on_agent_message)
         self.watcher = DomainWatcher(self.registry, self.memory,  # domains stopped outside azqemu
                                      eventlog=self.events)

@@ -39,6 +39,7 @@ from azqemu.daemon.sandboxmem import SandboxMemory
 from azqemu.daemon.supervisor import FaultSupervisor, SupervisedMemory
 from azqemu.errors import ConfigError, RestoreError, StoreCorrupt, StoreError, StoreForeign
 from azqemu.host import selfmem, threads
+from azqemu.memory import zstdlib
 from azqemu.memory.crashpoint import crash_point
 from azqemu.memory.persist import STORE_FILE, read_store
 from azqemu.memory.store import PageStore
@@ -80,6 +81,8 @@ class MemoryService:
         # (callkinds.KindBook), while one of its sandboxes lives.
         self.kind_books: dict[str, KindBook] = {}
         self.compress_cpu_s: dict[str, float] = {}   # compressing thread's CPU time per sandbox
+        # ... of which its C loops ran below the guests with the rest above (AZQ_COMPRESS_LOOPS_BELOW=1)
+        self.compress_cpu_loops_below_s: dict[str, float] = {}
         self.compress_count: dict[str, int] = {}     # compressions that finished, per sandbox
         # Bytes that reached the encoder, per sandbox: pages new or changed since they were
         # last stored (a copy-on-write clone's unchanged copies are skipped), i.e. about what
@@ -278,6 +281,7 @@ class MemoryService:
         self.detach(name)
         self.failed.pop(name, None)
         self.compress_cpu_s.pop(name, None)
+        self.compress_cpu_loops_below_s.pop(name, None)
         self.compress_count.pop(name, None)
         self.compress_encoded_bytes.pop(name, None)
         self.restore_count.pop(name, None)
@@ -332,7 +336,7 @@ class MemoryService:
                               use_siblings=policy_mod.get(rec.policy).use_siblings, owner=rec.uuid)
         if mem.owner is None:
             mem.owner = rec.uuid     # attached at clone time, before the record existed
-        cpu0 = time.thread_time()
+        cpu0, below0 = time.thread_time(), zstdlib.loops_below_cpu_s()
         t0 = time.perf_counter()
         try:
             with threads.nice_restored():
@@ -350,6 +354,8 @@ class MemoryService:
         finally:
             cpu_s = time.thread_time() - cpu0
             self.compress_cpu_s[rec.name] = self.compress_cpu_s.get(rec.name, 0.0) + cpu_s
+            self.compress_cpu_loops_below_s[rec.name] = (self.compress_cpu_loops_below_s.get(rec.name, 0.0)
+                                                         + zstdlib.loops_below_cpu_s() - below0)
             mem.template.drop_mapped()
             selfmem.trim_heap()
         durations.COMPRESS_SECONDS.observe(st.total_s)

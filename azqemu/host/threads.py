@@ -29,7 +29,8 @@ FAULT_HANDLER_NICE = -10
 # 2 cores (host 82% busy): every CPU second the manager takes shows in the guests' tool
 # calls. The lowest nice value (not SCHED_IDLE, which could leave a compression unfinished for
 # a whole wait on a busy host); a compression a tool call cancels is raised first
-# (PAUSED_GUEST_NICE), so its low priority never delays the call.
+# (PAUSED_GUEST_NICE), so its low priority never delays the call. Its C loops alone can run
+# this low, the rest above the guests (``background_worker``): a trade, measured, off.
 COMPRESS_NICE = 19
 # Work a paused guest waits for (a trim in a tool call, a compression a tool call cancelled):
 # above the guests, as a fault is.
@@ -44,7 +45,8 @@ MANAGER_NICE = -5
 # that needs it: it runs just above them until it lets go, whatever it was (a compression
 # worker at COMPRESS_NICE that lost the CPU to busy guests with the lock held stalled faults
 # for up to 0.4 s). One step above them, so that its release can tell its own boost from a
-# canceller's raise to PAUSED_GUEST_NICE, which stays.
+# canceller's raise to PAUSED_GUEST_NICE, which stays. Set and given back in C, with the GIL
+# released (memory/_storeview.c).
 STORE_LOCK_NICE = FAULT_HANDLER_NICE - 1
 
 
@@ -67,19 +69,18 @@ def set_thread_nice(nice: int) -> bool:
         return False
 
 
-def boost_for_lock() -> int | None:
-    """Raise the calling thread to STORE_LOCK_NICE; returns the nice value to give back
-    (``unboost_after_lock``), None if it already ran that high or the kernel refused."""
-    nice = thread_nice()
-    if nice <= STORE_LOCK_NICE:
-        return None
-    return nice if set_thread_nice(STORE_LOCK_NICE) else None
-
-
-def unboost_after_lock(nice: int | None) -> None:
-    """Give back what ``boost_for_lock`` took, unless the thread's value changed since."""
-    if nice is not None and thread_nice() == STORE_LOCK_NICE:
-        set_thread_nice(nice)
+def background_worker(run_loops_below: Callable[[int, int], bool] | None) -> None:
+    """Make the calling thread a background worker (the compression worker's initializer): at
+    COMPRESS_NICE. With ``run_loops_below`` (memory/zstdlib.py; the daemon passes it under
+    AZQ_COMPRESS_LOOPS_BELOW=1) only its C loops run there, with the GIL released, and the
+    rest at the thread's own value: a thread at 19 that holds the GIL when busy guests take its
+    CPU holds up every Python thread, among them the store lock's holder that the fault threads
+    wait for. Measured as a trade (docs/figures.md, session 26): service-agent at 8 sandboxes,
+    the fault side's waits for that lock 11.1 to 6.6 s a round and tool-call time unchanged;
+    coding-agent at 16, median tool call +12% (the 71-75% of the compression's CPU outside the
+    loops then runs above the guests). Hence off by default."""
+    if run_loops_below is None or not run_loops_below(COMPRESS_NICE, thread_nice()):
+        set_thread_nice(COMPRESS_NICE)
 
 
 def set_nice_of(tid: int, nice: int) -> bool:

@@ -17,6 +17,8 @@
 #include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
+#include <sys/resource.h>
 
 #include "_pagepatch.h"
 
@@ -41,7 +43,54 @@ enum { C_ZSTD = 0, C_XOR_T = 1, C_PREFIX_T = 2, C_XOR_S = 3, C_PREFIX_S = 4, C_L
 /* Decode methods: numbering of azqemu.memory.kinds.Method. */
 enum { M_ZSTD = 0, M_XOR = 1, M_PREFIX = 2, M_LZ4 = 3, M_LZ4_XOR = 4, M_PATCH = 5 };
 
-int azq_pagecodec_abi(void) { return 8; }
+int azq_pagecodec_abi(void) { return 9; }
+
+/*
+ * Background work below the guests without the GIL below them. ctypes releases the GIL around
+ * every call into this library; a thread registered here (the compression worker) runs its
+ * long loops at `bg_nice` and the rest of the time, its Python included, at `fg_nice`. A
+ * thread at nice 19 that holds the GIL and loses the CPU to busy guests holds up every Python
+ * thread of the manager for up to half a second (the scheduler charges its runtime 68 times a
+ * nice-0 thread's: weights 15 and 1024), among them the one holding the page store's lock that
+ * the fault threads wait for. The switch happens here, where the GIL is already released: a thread that lowered its
+ * own priority from Python would be preempted in the syscall with the GIL in hand.
+ * A thread whose value is not fg_nice when a loop starts (a canceller raised it, or it holds
+ * the store's lock: host/threads.py) keeps it; at the end of the loop it gets fg_nice back
+ * only if it is still at bg_nice. CPU time spent below is counted per thread.
+ */
+#define BG_OFF 100
+#define BG_MIN_PAGES 32          /* fewer pages than this: not worth four syscalls */
+static __thread int bg_nice = BG_OFF, fg_nice;
+static __thread uint64_t bg_cpu_ns;
+
+void azq_background_nice(int bg, int fg) { bg_nice = bg; fg_nice = fg; }
+uint64_t azq_background_cpu_ns(void) { return bg_cpu_ns; }
+
+static uint64_t thread_cpu_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* 0, or the thread CPU clock when the loop went below (bg_leave's argument). */
+static uint64_t bg_enter(long pages)
+{
+    if (bg_nice == BG_OFF || pages < BG_MIN_PAGES || getpriority(PRIO_PROCESS, 0) != fg_nice)
+        return 0;
+    if (setpriority(PRIO_PROCESS, 0, bg_nice) != 0)
+        return 0;
+    return thread_cpu_ns() | 1;          /* never 0 */
+}
+
+static void bg_leave(uint64_t entered)
+{
+    if (!entered)
+        return;
+    bg_cpu_ns += thread_cpu_ns() - entered;
+    if (getpriority(PRIO_PROCESS, 0) == bg_nice)
+        setpriority(PRIO_PROCESS, 0, fg_nice);
+}
 
 /* lz4.h (v1.9 stable API) and xxhash.h (v0.8, XXH3 stable) signatures. */
 typedef int (*lz4_compress_fn)(const char *src, char *dst, int srcSize, int dstCapacity);
@@ -178,9 +227,11 @@ long azq_encode_batch(ZSTD_CCtx *cctx, int m, const uint8_t *up, const uint8_t *
             return -1;
     }
     uint32_t rng = seed ? seed : 0x9e3779b9u;
+    uint64_t below = bg_enter(m);
     long rc = azq_encode_loop(cctx, m, up, tp, xp, sp, sxp, flags, tiny, gain, small, raw_limit, lz4_level,
                               hc_state, buf_a, buf_b, patch_a, patch_b, xor_t, xor_s,
                               out, out_cap, out_off, out_len, choice, tries, odds, astats, &rng, &pos);
+    bg_leave(below);
     free(hc_state);
     return rc < 0 ? -1 : (long)pos;
 }
@@ -404,11 +455,13 @@ int azq_page_hashes(long k, const uint8_t *base, const int64_t *row, uint64_t *k
 {
     if (!xxh3_128)
         return -1;
+    uint64_t below = bg_enter(k);
     for (long i = 0; i < k; i++) {
         xxh128_hash h = xxh3_128(base + (size_t)(row ? row[i] : i) * PAGE, PAGE);
         key[i] = __builtin_bswap64(h.high64);
         check[i] = __builtin_bswap64(h.low64);
     }
+    bg_leave(below);
     return 0;
 }
 
@@ -438,6 +491,7 @@ int azq_classify(long n, const uint8_t *pages, const int64_t *trow, const uint8_
     for (long i = 0; i < n; i++)
         if (trow[i] >= t_rows)
             return -1;
+    uint64_t below = bg_enter(n);
     for (long i = 0; i < n; i++) {
         const uint8_t *p = pages + (size_t)i * PAGE;
         if (page_is_zero(p))
@@ -445,6 +499,7 @@ int azq_classify(long n, const uint8_t *pages, const int64_t *trow, const uint8_
         else if (trow[i] >= 0 && memcmp(p, tbase + (size_t)trow[i] * PAGE, PAGE) == 0)
             kind[i] = (uint8_t)k_template;
     }
+    bg_leave(below);
     return 0;
 }
 
@@ -459,8 +514,10 @@ int azq_rows_equal(long n, const uint8_t *a_base, const int64_t *a_row, long a_r
     for (long i = 0; i < n; i++)
         if (a_row[i] < 0 || a_row[i] >= a_rows || b_row[i] < 0 || b_row[i] >= b_rows)
             return -1;
+    uint64_t below = bg_enter(n);
     for (long i = 0; i < n; i++)
         eq[i] = memcmp(a_base + (size_t)a_row[i] * PAGE, b_base + (size_t)b_row[i] * PAGE, PAGE) == 0;
+    bg_leave(below);
     return 0;
 }
 

@@ -25,13 +25,13 @@ from typing import Any
 
 import numpy as np
 
-from azqemu.host.threads import boost_for_lock, unboost_after_lock
+from azqemu.host.threads import STORE_LOCK_NICE
 from azqemu.memory.blobtable import BLOB_DTYPE, BlobTable
 from azqemu.memory.pagehash import ZERO_CHECK
 from azqemu.memory.sbxindex import SandboxIndex
 from azqemu.memory.template import TemplateImage
 
-ABI = 3
+ABI = 4
 _V, _U64, _I = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int
 # The packed row the C side reads (blob_row in _storeview.c): checked against BLOB_DTYPE at load.
 _C_BLOB_OFFSETS = {"key": 0, "check": 8, "offset": 16, "ref": 20, "refcount": 24, "arena": 28, "length": 30,
@@ -63,7 +63,8 @@ def _load() -> Any | None:
                 ("azq_sv_set_helpers", [_V, _V, _I, _I, _U64], _I),
                 ("azq_sv_page_check", [_V], _U64),
                 ("azq_store_new", [], _V), ("azq_store_free", [_V], None),
-                ("azq_store_lock", [_V], None), ("azq_store_trylock", [_V], _I), ("azq_store_unlock", [_V], None),
+                ("azq_store_lock", [_V, _I], _I), ("azq_store_trylock", [_V, _I, _V], _I),
+                ("azq_store_unlock", [_V, _I, _I], None),
                 ("azq_store_lock_waits", [_V, _V], None),
                 ("azq_store_set_table", [_V, _V, _U64], None), ("azq_store_set_arenas", [_V, _V, _U64], None),
                 ("azq_view_new", [_V], _V), ("azq_view_free", [_V], None),
@@ -110,11 +111,16 @@ def _addr(buf: Any) -> int:
     return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data) if len(buf) else 0
 
 
+# _storeview.c: "no raise" for the lock's nice arguments.
+NO_NICE = 100
+
+
 class NativeLock:
     """A recursive lock that is a pthread mutex: PageStore's state lock when native faults are
     on. ctypes releases the GIL around the calls, so a thread waiting here lets the others run.
     Its holder runs at STORE_LOCK_NICE until its outermost release (host/threads.py): a fault
-    thread waiting for the lock must not wait for a niced holder to get the CPU back."""
+    thread waiting for the lock must not wait for a niced holder to get the CPU back. The
+    raise and its give-back are made in C, the GIL released (_storeview.c)."""
 
     def __init__(self) -> None:
         assert LIB is not None
@@ -123,29 +129,28 @@ class NativeLock:
         if not self.handle:
             raise MemoryError("azq_store_new")
         self._held = threading.local()      # per thread: depth, and the nice value to give back
-        self._boost = os.environ.get("AZQ_STORE_LOCK_BOOST", "1") != "0"    # off: an ablation
-
-    def _took(self) -> None:
-        depth = getattr(self._held, "depth", 0)
-        if depth == 0:
-            self._held.nice = boost_for_lock() if self._boost else None
-        self._held.depth = depth + 1
+        # Off (AZQ_STORE_LOCK_BOOST=0): an ablation.
+        self._raise = STORE_LOCK_NICE if os.environ.get("AZQ_STORE_LOCK_BOOST", "1") != "0" else NO_NICE
+        self._give_back = ctypes.c_int(NO_NICE)     # trylock's out argument (read under the lock)
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        depth = getattr(self._held, "depth", 0)
+        nice = self._raise if depth == 0 else NO_NICE
         if not blocking:
-            if not self._lib.azq_store_trylock(self.handle):
+            if not self._lib.azq_store_trylock(self.handle, nice, ctypes.byref(self._give_back)):
                 return False
+            give_back = self._give_back.value
         else:
-            self._lib.azq_store_lock(self.handle)
-        self._took()
+            give_back = self._lib.azq_store_lock(self.handle, nice)
+        if depth == 0:
+            self._held.give_back = give_back
+        self._held.depth = depth + 1
         return True
 
     def release(self) -> None:
         depth = self._held.depth - 1
         self._held.depth = depth
-        self._lib.azq_store_unlock(self.handle)
-        if depth == 0:
-            unboost_after_lock(self._held.nice)
+        self._lib.azq_store_unlock(self.handle, self._raise, self._held.give_back if depth == 0 else NO_NICE)
 
     def __enter__(self) -> bool:
         return self.acquire()

@@ -90,7 +90,7 @@ _LIB = _load_libzstd()
 F_XOR_T, F_PREFIX_T, F_XOR_S, F_PREFIX_S, F_HAS_S, F_LZ4, F_PATCH = 1, 2, 4, 8, 16, 32, 64
 (C_ZSTD, C_XOR_T, C_PREFIX_T, C_XOR_S, C_PREFIX_S, C_LZ4, C_LZ4_XOR_T, C_LZ4_XOR_S, C_PATCH_T, C_PATCH_S,
  C_RAW) = 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 255
-NATIVE_ABI = 8
+NATIVE_ABI = 9
 # The encoder's follow-up attempts whose odds the caller sets (A_* of _pagecodec.c: plain zstd
 # after the XOR, the template prefix after the XOR or alone, the SDELTA pair), each in four
 # buckets of the best payload so far (<= 512, 1024, 2048 bytes, more).
@@ -152,6 +152,10 @@ def _load_native() -> Any | None:
         lib.azq_compact_rows.argtypes = [_V, ctypes.c_long, _V, ctypes.c_long]
         lib.azq_gather.restype = None
         lib.azq_gather.argtypes = [_I, _V, _V, _V]
+        lib.azq_background_nice.restype = None
+        lib.azq_background_nice.argtypes = [_I, _I]
+        lib.azq_background_cpu_ns.restype = ctypes.c_uint64
+        lib.azq_background_cpu_ns.argtypes = []
         lib.azq_set_helpers.restype = _I
         lib.azq_set_helpers.argtypes = [_V, _V, _V, _I, _V]
         from azqemu.memory import lz4page
@@ -421,6 +425,22 @@ def compact_rows(pages: np.ndarray, rows: np.ndarray) -> np.ndarray | None:
     if int(lib.azq_compact_rows(pages.ctypes.data, len(pages), r.ctypes.data, len(r))) != 0:
         raise IndexError(f"compact_rows: rows must ascend strictly within 0..{len(pages) - 1}")
     return pages[:len(r)]
+
+
+def run_loops_below(bg_nice: int, fg_nice: int) -> bool:
+    """The calling thread runs the C loops of this module at nice ``bg_nice`` (the GIL
+    released) and the rest of its work at ``fg_nice`` (_pagecodec.c, "Background work below
+    the guests"); the thread must be at ``fg_nice`` already. False without the C library."""
+    if _NATIVE is None:
+        return False
+    _NATIVE.azq_background_nice(bg_nice, fg_nice)
+    return True
+
+
+def loops_below_cpu_s() -> float:
+    """CPU seconds the calling thread spent in C loops below its own priority (0 without the
+    C library or ``run_loops_below``)."""
+    return _NATIVE.azq_background_cpu_ns() / 1e9 if _NATIVE is not None else 0.0
 
 
 def native_available() -> bool:

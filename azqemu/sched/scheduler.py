@@ -25,7 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import psutil
 
-from azqemu.host.threads import COMPRESS_NICE, os_named, set_thread_nice
+from azqemu.host.threads import background_worker, os_named
 from azqemu.sched.actions import SchedActions, SchedState
 from azqemu.sched.phases import TOOL, WAIT
 from azqemu.sched.policy import TRIM_AFTER_S, TRIM_EVERY_S
@@ -38,14 +38,17 @@ HOST_SAMPLE_S = 1.0
 
 class Scheduler:
     def __init__(self, actions: SchedActions, tick_s: float = TICK_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 run_loops_below: Callable[[int, int], bool] | None = None) -> None:
         self.actions = actions
         self.tick_s = tick_s
         self._clock = clock  # the phase trackers' clock (time.monotonic but in tests)
         self.pressure_budget_bytes: int | None = None
-        # Compression is background work: its worker runs below the vCPUs (host.threads).
+        # Compression is background work: its worker runs below the vCPUs, or only its C loops
+        # do (``run_loops_below``: the codec's, memory/zstdlib.py; host.threads.background_worker).
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="azq-compress",
-                                          initializer=os_named(functools.partial(set_thread_nice, COMPRESS_NICE)))
+                                          initializer=os_named(functools.partial(background_worker,
+                                                                                 run_loops_below)))
         self._queued = 0                  # jobs submitted and not finished (the worker's queue)
         self._queued_lock = threading.Lock()
         self._stop = threading.Event()

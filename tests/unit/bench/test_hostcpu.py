@@ -48,3 +48,13 @@ def test_note_names_each_policy() -> None:
                         "none": {}}}
     note = hostcpu.markdown_note(res)
     assert "agentzip: manager 40.0 s, QEMUs 400.0 s, host busy 97%" in note and "none:" not in note
+
+
+def test_note_gives_the_compression_cpu_its_loops_ran_below_the_guests() -> None:
+    res = {"policies": {"agentzip": {"manager_cpu_s": 40.0, "qemu_cpu_s": 400.0, "host_cpu_busy_share": 0.97,
+                                     "compress_cpu_s_total": 12.5, "compress_cpu_loops_below_s_total": 9.25},
+                        "linux": {"manager_cpu_s": 30.0, "qemu_cpu_s": 410.0, "host_cpu_busy_share": 0.9,
+                                  "compress_cpu_s_total": 0.0}}}
+    note = hostcpu.markdown_note(res)
+    assert "agentzip: manager 40.0 s (compression 12.5 s, 9.2 s of it in C loops below the guests), QEMUs" in note
+    assert "linux: manager 30.0 s, QEMUs 410.0 s" in note

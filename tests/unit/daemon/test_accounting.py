@@ -79,6 +79,7 @@ def mgr(cfg: Any, host: Any, sandbox_meta_of: Any, template: TemplateMeta,
 
 def test_owned_sums_resident_and_stored_with_the_store_overhead(mgr: Manager) -> None:
     mgr.memory.compress_cpu_s["m1"] = 1.5
+    mgr.memory.compress_cpu_loops_below_s["m1"] = 1.25
     out = mgr.op_owned()
     rows = out["sandboxes"]
     assert set(rows) == {"m0", "m1", "c0", "down"}
@@ -92,11 +93,13 @@ def test_owned_sums_resident_and_stored_with_the_store_overhead(mgr: Manager) ->
     assert parts["store_index_bytes"] == 150 and parts["template_index_bytes"] == 0
     assert parts["heap_in_use_bytes"] > 0 and "heap_free_bytes" in parts
     assert rows["m1"]["compress_cpu_s_total"] == 1.5
+    assert rows["m1"]["compress_cpu_loops_below_s_total"] == 1.25
 
     assert rows["m0"] == {"name": "m0", "policy": "none-cow", "ram_mode": "eager",
                                "owned_bytes": 10 * PAGE, "resident_bytes": 10 * PAGE, "stored_bytes": 0,
                                "qemu_own_bytes": 99_000, "compress_s_total": 0.0, "restore_s_total": 0.0,
-                               "compress_cpu_s_total": 0.0, "compress_encoded_bytes_total": 0}
+                               "compress_cpu_s_total": 0.0, "compress_cpu_loops_below_s_total": 0.0,
+                               "compress_encoded_bytes_total": 0}
     # memfd clone with pages in the store: 2000 stored bytes x 1.5
     assert (rows["m1"]["resident_bytes"], rows["m1"]["stored_bytes"], rows["m1"]["owned_bytes"]) == \
         (20 * PAGE, 3000, 20 * PAGE + 3000)

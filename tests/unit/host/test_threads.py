@@ -86,20 +86,3 @@ def test_a_pool_initializer_names_its_workers() -> None:
     from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="azq-pool", initializer=threads.name_os_thread) as pool:
         assert pool.submit(lambda: _comm(threading.get_native_id())).result(10) == "azq-pool_0"
-
-
-@needs_root
-def test_a_lock_boost_gives_back_the_old_value_unless_a_canceller_raised_the_thread_meanwhile() -> None:
-    def body() -> None:
-        threads.set_thread_nice(threads.COMPRESS_NICE)
-        old = threads.boost_for_lock()
-        assert old == threads.COMPRESS_NICE and threads.thread_nice() == threads.STORE_LOCK_NICE
-        threads.unboost_after_lock(old)
-        assert threads.thread_nice() == threads.COMPRESS_NICE
-        old = threads.boost_for_lock()
-        threads.set_thread_nice(threads.PAUSED_GUEST_NICE)         # what a canceller does
-        threads.unboost_after_lock(old)
-        assert threads.thread_nice() == threads.PAUSED_GUEST_NICE
-        threads.set_thread_nice(threads.STORE_LOCK_NICE)
-        assert threads.boost_for_lock() is None                    # already that high
-    _in_thread(body)

@@ -150,6 +150,25 @@ def test_the_holder_runs_above_the_fault_threads_until_its_outermost_release(sto
     assert seen == [up, up, threads.COMPRESS_NICE, up, threads.COMPRESS_NICE]
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="raising a thread's priority needs CAP_SYS_NICE")
+def test_the_release_leaves_a_cancellers_raise_and_a_thread_already_that_high(store) -> None:
+    seen: list[int] = []
+
+    def compressing() -> None:
+        threads.set_thread_nice(threads.COMPRESS_NICE)
+        with store._lock:
+            threads.set_thread_nice(threads.PAUSED_GUEST_NICE)      # what a canceller does
+        seen.append(threads.thread_nice())
+        threads.set_thread_nice(threads.STORE_LOCK_NICE - 1)
+        with store._lock:
+            seen.append(threads.thread_nice())                      # not lowered to the raise
+        seen.append(threads.thread_nice())
+    t = threading.Thread(target=compressing)
+    t.start()
+    t.join(10)
+    assert seen == [threads.PAUSED_GUEST_NICE, threads.STORE_LOCK_NICE - 1, threads.STORE_LOCK_NICE - 1]
+
+
 def test_a_fault_that_finds_the_lock_held_is_counted_with_its_wait(store, small_set, small_template) -> None:
     names = _fill(store, small_set, small_template)
     page = int(store.stored_pages(names[0])[0])
