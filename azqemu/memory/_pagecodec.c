@@ -52,8 +52,10 @@ int azq_pagecodec_abi(void) { return 9; }
  * thread at nice 19 that holds the GIL and loses the CPU to busy guests holds up every Python
  * thread of the manager for up to half a second (the scheduler charges its runtime 68 times a
  * nice-0 thread's: weights 15 and 1024), among them the one holding the page store's lock that
- * the fault threads wait for. The switch happens here, where the GIL is already released: a thread that lowered its
- * own priority from Python would be preempted in the syscall with the GIL in hand.
+ * the fault threads wait for. The switch happens here, where the GIL is already released: a
+ * thread that lowered its own priority from Python would be preempted in the syscall with the
+ * GIL in hand. The daemon registers its compression worker under AZQ_COMPRESS_LOOPS_BELOW=1
+ * only: its Python then runs above the guests, a trade measured in docs/figures.md (session 26).
  * A thread whose value is not fg_nice when a loop starts (a canceller raised it, or it holds
  * the store's lock: host/threads.py) keeps it; at the end of the loop it gets fg_nice back
  * only if it is still at bg_nice. CPU time spent below is counted per thread.
