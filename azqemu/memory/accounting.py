@@ -24,6 +24,7 @@ from azqemu.memory.blobtable import (
     DUP_INDEX_ENTRY_BYTES,
     BlobTable,
     DomainState,
+    entries_per_blob,
     in_domain_indices,
 )
 from azqemu.memory.generation import StoredSandbox
@@ -126,7 +127,7 @@ class TableSnapshot:
                    {k: table.sim_entry_bytes(d) for k, d in doms.items()})
 
     def sim_entries_per_blob(self, d: DomainState) -> np.ndarray:
-        return np.bincount(self._sim_sources[d.name], minlength=self.n)[:self.n]
+        return entries_per_blob(self._sim_sources[d.name], self.n)
 
     def sim_entry_bytes(self, d: DomainState) -> int:
         return self._sim_bytes[d.name]

@@ -278,10 +278,7 @@ class BlobTable:
 
     def sim_entries_per_blob(self, d: DomainState) -> np.ndarray:
         """Number of similarity-index entries held by each blob id (length ``n``)."""
-        self._merge_sim(d)
-        if len(d.sim) == 0:
-            return np.zeros(self.n, dtype=np.int64)
-        return np.bincount(d.sim.sources.astype(np.int64), minlength=self.n)[:self.n]
+        return entries_per_blob(self.sim_sources(d), self.n)
 
     def sim_sources(self, d: DomainState) -> np.ndarray:
         """The blob id of every similarity-index entry of ``d``, young and pending ones too
@@ -294,6 +291,11 @@ class BlobTable:
         keeps u32 sources, as the store file does). No merge for a figure: the young and
         pending entries cost the same once merged."""
         return int(d.sim.keys.itemsize + d.sim.sources.itemsize) if len(d.sim) else 12
+
+
+def entries_per_blob(sources: np.ndarray, n: int) -> np.ndarray:
+    """How many of ``sources`` (blob ids of index entries) name each blob id below ``n``."""
+    return np.bincount(sources, minlength=n)[:n]
 
 
 def _merged_sorted(runs: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:

@@ -139,7 +139,7 @@ def test_the_young_similarity_entries_answer_as_one_merged_index(commits: list, 
         merged = SimilarityIndex.merged([d.sim, d.sim_young])
         assert [x.tolist() for x in layered.query(fps)] == [x.tolist() for x in merged.query(fps)]
         assert len(layered) == len(merged) and young == len(d.sim_young)
-    t.sim_entries_per_blob(d)                    # a full merge
+    t._merge_sim(d)                              # a full merge
     assert len(d.sim_young) == 0
 
 
