@@ -40,13 +40,15 @@ def _in_thread(fn: Callable[[], None]) -> None:
         raise err[0]
 
 
-def test_a_registered_thread_runs_its_loops_below_and_gets_its_own_value_back() -> None:
-    """Seen from outside while it hashes: at COMPRESS_NICE inside the loop; back at its own
-    value (the one it holds the GIL at) after every call; the CPU below counted."""
+def _hashing_below(poll: Callable[[int, int, list[int]], bool]) -> tuple[int, list[int], int, float]:
+    """A thread registered to run its loops below hashes PAGES until ``poll(tid, its nice value
+    seen from here, its value after each call so far)`` is true (or 20 s). Returns its own
+    value, its value after each call, its value at the end, the CPU its loops ran below."""
     tid: list[int] = []
-    stop, seen = threading.Event(), set()
+    stop = threading.Event()
     own: list[int] = []
     after: list[int] = []
+    end: list[tuple[int, float]] = []
 
     def worker() -> None:
         own.append(threads.thread_nice())
@@ -55,7 +57,7 @@ def test_a_registered_thread_runs_its_loops_below_and_gets_its_own_value_back() 
         while not stop.is_set():
             page_hashes(PAGES)
             after.append(threads.thread_nice())
-        after.append(int(zstdlib.loops_below_cpu_s() * 1e9))
+        end.append((threads.thread_nice(), zstdlib.loops_below_cpu_s()))
     t = threading.Thread(target=worker)
     t.start()
     try:
@@ -63,15 +65,27 @@ def test_a_registered_thread_runs_its_loops_below_and_gets_its_own_value_back() 
             pass
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:           # the poller takes the GIL the loop left
-            seen.add(os.getpriority(os.PRIO_PROCESS, tid[0]))
-            if threads.COMPRESS_NICE in seen and len(after) > 3:
+            if poll(tid[0], os.getpriority(os.PRIO_PROCESS, tid[0]), after):
                 break
     finally:
         stop.set()
         t.join(30)
+    assert end, "the hashing thread did not end"
+    return own[0], after, end[0][0], end[0][1]
+
+
+def test_a_registered_thread_runs_its_loops_below_and_gets_its_own_value_back() -> None:
+    """Seen from outside while it hashes: at COMPRESS_NICE inside the loop; back at its own
+    value (the one it holds the GIL at) after every call; the CPU below counted."""
+    seen: set[int] = set()
+
+    def poll(tid: int, nice: int, after: list[int]) -> bool:
+        seen.add(nice)
+        return threads.COMPRESS_NICE in seen and len(after) > 3
+    own, after, _, below_s = _hashing_below(poll)
     assert threads.COMPRESS_NICE in seen
-    assert set(after[:-1]) == {own[0]}               # every call gave the value back
-    assert after[-1] > 0
+    assert set(after) == {own}                       # every call gave the value back
+    assert below_s > 0
 
 
 def test_few_pages_a_raised_thread_or_an_unregistered_one_stay_where_they_are() -> None:
@@ -99,29 +113,13 @@ def test_few_pages_a_raised_thread_or_an_unregistered_one_stay_where_they_are() 
 
 def test_a_worker_raised_by_a_canceller_during_a_loop_keeps_the_raise() -> None:
     """The loop ends at COMPRESS_NICE only: a value set meanwhile from outside stays."""
-    tid: list[int] = []
-    stop, raised_seen = threading.Event(), []
-
-    def worker() -> None:
-        zstdlib.run_loops_below(threads.COMPRESS_NICE, threads.thread_nice())
-        tid.append(threading.get_native_id())
-        while not stop.is_set():
-            page_hashes(PAGES)
-        raised_seen.append(threads.thread_nice())
-    t = threading.Thread(target=worker)
-    t.start()
-    try:
-        while not tid:
-            pass
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            if os.getpriority(os.PRIO_PROCESS, tid[0]) == threads.COMPRESS_NICE:
-                assert threads.set_nice_of(tid[0], threads.PAUSED_GUEST_NICE)
-                break
-    finally:
-        stop.set()
-        t.join(30)
-    assert raised_seen == [threads.PAUSED_GUEST_NICE]
+    def poll(tid: int, nice: int, after: list[int]) -> bool:
+        if nice != threads.COMPRESS_NICE:
+            return False
+        assert threads.set_nice_of(tid, threads.PAUSED_GUEST_NICE)
+        return True
+    _, _, at_end, _ = _hashing_below(poll)
+    assert at_end == threads.PAUSED_GUEST_NICE
 
 
 def test_the_compression_worker_without_the_c_loops_runs_wholly_below() -> None:
