@@ -435,7 +435,6 @@ static void *fp_main(void *arg)
     azq_fp *fp = arg;
     /* A vCPU waits while its fault is served: win the CPU from the guests (handler.py). */
     setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), fp->nice);
-    pthread_setname_np(pthread_self(), "azq-fault");    /* top -H; host/threads.py */
     struct uffd_msg msgs[BATCH_MSGS];
     struct pollfd pfd[2] = {{fp->uffd, POLLIN, 0}, {fp->stop_fd, POLLIN, 0}};
     while (!fp->stopping) {
@@ -491,6 +490,9 @@ int azq_fp_start(azq_fp *fp, int nice)
         fp->alive = 0;
         return -1;
     }
+    /* Named here, not by the thread itself: it carries its name by the time start returns
+       (top -H; host/threads.py counts its CPU by name). */
+    pthread_setname_np(fp->thread, "azq-fault");
     fp->started = 1;
     return 0;
 }

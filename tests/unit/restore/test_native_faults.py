@@ -99,8 +99,11 @@ def test_store_pages_are_served_by_the_c_thread_alone(world) -> None:
     comp = CompositeSource.for_sandbox(PAGES, PS, stored=np.arange(PAGES), store=StoreSource(store, "sb"))
     with FaultHandler(ram.handle, comp, name="azq-faults-sb") as h:
         assert h.native
-        names = {_comm(t) for t in os.listdir("/proc/self/task")}
-        assert {"azq-fault", "azq-faults-sb"} <= names, names    # the C thread, the Python one (top -H)
+        # The C thread, the Python one (top -H); the Python one names itself once it runs.
+        want = {"azq-fault", "azq-faults-sb"}
+        names = lambda: {_comm(t) for t in os.listdir("/proc/self/task")}   # noqa: E731
+        _wait_for(lambda: want <= names())
+        assert want <= names(), names()
         got1: dict[int, bytes] = {}
         got2: dict[int, bytes] = {}
         t1, t2 = ram.reader(list(range(PAGES)), got1), ram.reader(list(reversed(range(PAGES))), got2)
