@@ -108,7 +108,7 @@ class DomainView(Protocol):
     """What the encoder needs to know about the sharing domain (implemented by the store)."""
 
     def find_dups(self, key: np.ndarray) -> np.ndarray: ...           # blob id or -1
-    def blob_page(self, blob_id: int) -> np.ndarray | None: ...       # verified content; None: freed since found
+    def blob_pages(self, blob_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...  # verified contents; live False: freed since found
     def blob_decode_cost_us(self, blob_id: int) -> float: ...
     def blob_shared(self, blob_id: int) -> bool: ...                   # referenced more than once
     def blob_is_base(self, blob_id: int) -> bool: ...                  # may serve as SDELTA base
@@ -264,22 +264,27 @@ class Encoder:
         if domain is not None and self.opt.use_siblings:
             cand = np.flatnonzero(undecided)
             bid = domain.find_dups(key[cand])
+            js: list[int] = []
             for j in np.flatnonzero(bid >= 0).tolist():
-                i = int(cand[j])
                 b = int(bid[j])
-                if (hot_rows is not None and hot_rows[i] and domain.blob_decode_cost_us(b) > hot_budget
+                if (hot_rows is not None and hot_rows[int(cand[j])] and domain.blob_decode_cost_us(b) > hot_budget
                         and not domain.blob_shared(b)):
                     # A hot page whose only copy is a slow-to-decode blob (typically its own
                     # entry from an earlier wait, encoded while it was cold, which this encode
                     # replaces and frees): re-encode it for the hot budget. A blob that other
                     # pages share is kept: its memory saving beats the decode time.
                     continue
-                found = domain.blob_page(b)           # None: freed meanwhile (a sibling's discard)
-                if found is not None and np.array_equal(found, pages[rest[i]]):
-                    kind[rest[i]] = int(Kind.DUP)
-                    target[rest[i]] = T_BLOB
-                    ref[rest[i]] = int(bid[j])
-                    undecided[i] = False
+                js.append(j)
+            if js:
+                j_arr = np.asarray(js, dtype=np.int64)
+                found, live = domain.blob_pages(bid[j_arr])   # not live: freed meanwhile (a sibling's discard)
+                i_arr = cand[j_arr]
+                same = live & rows_equal(pages, rest[i_arr], found, np.arange(len(j_arr)))
+                hit_rows = rest[i_arr[same]]
+                kind[hit_rows] = int(Kind.DUP)
+                target[hit_rows] = T_BLOB
+                ref[hit_rows] = bid[j_arr[same]]
+                undecided[i_arr[same]] = False
 
         # -- DUP within the batch: first occurrence is encoded, later ones point at it -------
         cand = np.flatnonzero(undecided)
@@ -362,16 +367,14 @@ class Encoder:
         sref = self._scratch("s", m)
         take_rows(template.pages_z, template.rows_z(np.maximum(cand_t, 0)), sref)
         if domain is not None:
-            for i in np.flatnonzero(use_b).tolist():
-                b = int(cand_b[i])
-                if not domain.blob_is_base(b):
-                    continue
-                base_page = domain.blob_page(b)
-                if base_page is None:               # freed since the index named it
-                    continue
-                sref[i] = base_page
-                s_kind[i], s_ref[i] = 2, b
-                s_cost[i] = domain.blob_decode_cost_us(b)
+            bases = np.asarray([i for i in np.flatnonzero(use_b).tolist() if domain.blob_is_base(int(cand_b[i]))],
+                               dtype=np.int64)
+            if len(bases):
+                base_pages, live = domain.blob_pages(cand_b[bases])   # not live: freed since the index named it
+                i_arr = bases[live]
+                sref[i_arr] = base_pages[live]
+                s_kind[i_arr], s_ref[i_arr] = 2, cand_b[i_arr]
+                s_cost[i_arr] = [domain.blob_decode_cost_us(b) for b in cand_b[i_arr].tolist()]
         has_s = s_kind > 0
         same_s = (uw == sref.view(np.uint64)).sum(axis=1)
         do_xor_s = has_s & (same_s >= XOR_MIN_SAME_WORDS)

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from azqemu.memory import accounting
 from azqemu.memory.accounting import domain_books, sandbox_books
-from azqemu.memory.kinds import PAGE_SIZE, Kind
+from azqemu.memory.domainview import StoreDomainView
+from azqemu.memory.kinds import FLAG_REF_TEMPLATE, PAGE_SIZE, Kind, RefType
 from azqemu.memory.store import PageStore
 
 from .conftest import SMALL_ARENA, make_template, text_page
@@ -179,3 +180,32 @@ def test_the_books_are_computed_without_the_store_lock(store, small_set, small_t
     store.owned_bytes_many(["s0", "s1"])
     store.books(["s0"])
     assert free == [True, True]
+
+
+def test_a_domain_view_gives_many_blobs_at_once_and_says_which_were_freed(store, corpus) -> None:
+    """The encoder's batched lookup (DUP confirmation, SDELTA bases): each blob's verified
+    bytes in the order asked, repeats and cached ones included; blobs freed since (a sibling's
+    discard) and ids out of range are marked not live instead of raising."""
+    template = make_template([text_page(i) for i in range(4)], n_pages=64)
+    new = np.stack([corpus.pyc[i] for i in range(6)])
+    similar = np.stack([_edit(p, 600, 640, 0x44) for p in new])
+    other = np.stack([corpus.pyc[i] for i in range(6, 9)])
+    idx = np.arange(10, 16)
+    store.encode("b1", "B", idx, new, template)
+    store.encode("b2", "B", idx, similar, template)        # SDELTA entries on b1's blobs
+    store.encode("b3", "B", idx[:3], other, template)
+
+    def blobs(sb: str, page_idx: np.ndarray) -> np.ndarray:
+        found, _kind, flags, ref = store._sandboxes[sb].index.lookup(page_idx)
+        assert found.all() and not (flags & FLAG_REF_TEMPLATE).any()
+        return ref.astype(np.int64)
+    ids2, ids3 = blobs("b2", idx), blobs("b3", idx[:3])
+    assert (store._table.rows["reftype"][ids2] == int(RefType.BLOB)).any()
+    store.discard("b3", idx[:3])
+    assert (store._table.rows["refcount"][ids3] == 0).all()
+    view = StoreDomainView(store._lock, store._table, store._arenas, store.zstd, store._table.domains["B"], template)
+    got, live = view.blob_pages(np.concatenate([ids2, ids3, ids2[:2], [1 << 30]]))
+    assert live.tolist() == [True] * 6 + [False] * 3 + [True] * 2 + [False]
+    assert (got[:6] == similar).all() and (got[9:11] == similar[:2]).all()
+    again, live = view.blob_pages(ids2[::-1])               # from the view's cache now
+    assert live.all() and (again == similar[::-1]).all()
