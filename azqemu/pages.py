@@ -18,10 +18,11 @@ PAGE_SHIFT = 12
 
 # A compression's (or trim's) work buffers, by name, kept from one chunk to the next and
 # dropped with the operation, or, in a thread that runs them back to back (the compression
-# worker: hold_scratch), when no other is queued behind it. A buffer of 256 KiB or more is an mmap of its own (the mmap
-# threshold host/selfmem.py sets) whose pages fault in when first written: 2.8 us a page measured
-# here, 1.45 ms for each fresh 2 MiB buffer, against 0.04 ms to refill a kept one. Fresh read,
-# compaction and encoder buffers at every chunk cost ~1,700 such faults per 2 MiB of guest pages.
+# worker: hold_scratch), once none is queued behind it. A buffer of 256 KiB or more is an mmap
+# of its own (the mmap threshold host/selfmem.py sets) whose pages fault in when first written:
+# 2.8 us a page measured here, 1.45 ms for each fresh 2 MiB buffer, against 0.04 ms to refill a
+# kept one. Fresh read, compaction and encoder buffers at every chunk cost ~1,700 such faults
+# per 2 MiB of guest pages.
 Scratch = dict[str, np.ndarray]
 
 _HELD = threading.local()

@@ -108,7 +108,8 @@ class DomainView(Protocol):
     """What the encoder needs to know about the sharing domain (implemented by the store)."""
 
     def find_dups(self, key: np.ndarray) -> np.ndarray: ...           # blob id or -1
-    def blob_pages(self, blob_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...  # verified contents; live False: freed since found
+    # Verified contents (page rows) and whether each blob still lives (False: freed since found).
+    def blob_pages(self, blob_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
     def blob_decode_cost_us(self, blob_id: int) -> float: ...
     def blob_shared(self, blob_id: int) -> bool: ...                   # referenced more than once
     def blob_is_base(self, blob_id: int) -> bool: ...                  # may serve as SDELTA base
