@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import os
-import threading
 
 import numpy as np
 
@@ -17,37 +16,11 @@ PAGE_SIZE = 4096
 PAGE_SHIFT = 12
 
 # A compression's (or trim's) work buffers, by name, kept from one chunk to the next and
-# dropped with the operation, or, in a thread that runs them back to back (the compression
-# worker: hold_scratch), once none is queued behind it. A buffer of 256 KiB or more is an mmap
-# of its own (the mmap threshold host/selfmem.py sets) whose pages fault in when first written:
-# 2.8 us a page measured here, 1.45 ms for each fresh 2 MiB buffer, against 0.04 ms to refill a
-# kept one. Fresh read, compaction and encoder buffers at every chunk cost ~1,700 such faults
-# per 2 MiB of guest pages.
+# dropped with the operation. A buffer of 256 KiB or more is an mmap of its own (the mmap
+# threshold host/selfmem.py sets) whose pages fault in when first written: 2.8 us a page measured
+# here, 1.45 ms for each fresh 2 MiB buffer, against 0.04 ms to refill a kept one. Fresh read,
+# compaction and encoder buffers at every chunk cost ~1,700 such faults per 2 MiB of guest pages.
 Scratch = dict[str, np.ndarray]
-
-_HELD = threading.local()
-
-
-def operation_scratch() -> Scratch:
-    """Work buffers for one compression or trim: the calling thread's held set if it holds one
-    (``hold_scratch``), else a new set, dropped with the operation."""
-    held: Scratch | None = getattr(_HELD, "scratch", None)
-    return held if held is not None else {}
-
-
-def hold_scratch() -> None:
-    """Let the calling thread keep its operations' work buffers from one operation to the next,
-    until ``drop_held_scratch``: the compression worker, whose compressions come in bursts
-    (every sandbox of a fan-out reaches its LLM wait at about the same time), refills kept
-    buffers instead of faulting in ~4 MiB of fresh ones for each."""
-    _HELD.scratch = {}
-
-
-def drop_held_scratch() -> None:
-    """Give the calling thread's held buffers back (each is an mmap of its own: unmapped)."""
-    held: Scratch | None = getattr(_HELD, "scratch", None)
-    if held is not None:
-        held.clear()
 
 
 def scratch_rows(scratch: Scratch, name: str, rows: int) -> np.ndarray:

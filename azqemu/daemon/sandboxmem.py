@@ -60,7 +60,6 @@ from azqemu.pages import (
     Scratch,
     in_sorted,
     intersect_idx,
-    operation_scratch,
     page_runs,
     setdiff_idx,
     union_idx,
@@ -281,7 +280,7 @@ class SandboxMemory:
             check_unchanged = self.cow and self.name in self.store.sandboxes()
             kept: list[np.ndarray] = []
             taken: list[np.ndarray] = []
-            budget, scratch = CpuBudget(), operation_scratch()
+            budget, scratch = CpuBudget(), Scratch()   # the buffers are this compression's
 
             def changed() -> Iterator[tuple[np.ndarray, np.ndarray]]:
                 for part, pages in budget.chunks(self.scan.chunks(idx, scratch), taken):
@@ -428,7 +427,7 @@ class SandboxMemory:
             sort = TrimSort(idx, now, faulted=faulted, cold_after_s=st.cold_after_s,
                             prefetch_cold=now - self._resumed_at >= st.cold_after_s, history=self._history,
                             entries_match=partial(self.store.entries_match, self.name))
-            scratch = operation_scratch()
+            scratch = Scratch()
             drop = encoded = np.empty(0, dtype=np.int64)
             try:
                 t1 = time.perf_counter()

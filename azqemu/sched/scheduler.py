@@ -26,7 +26,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import psutil
 
 from azqemu.host.threads import background_worker, os_named
-from azqemu.pages import drop_held_scratch, hold_scratch
 from azqemu.sched.actions import SchedActions, SchedState
 from azqemu.sched.phases import TOOL, WAIT
 from azqemu.sched.policy import TRIM_AFTER_S, TRIM_EVERY_S
@@ -35,13 +34,6 @@ log = logging.getLogger(__name__)
 
 TICK_S = 0.1
 HOST_SAMPLE_S = 1.0
-
-
-def _start_worker(run_loops_below: Callable[[int, int], bool] | None) -> None:
-    """The compression worker's initializer: below the guests (background_worker), keeping its
-    work buffers while jobs are queued behind the one it runs (Scheduler._job drops them)."""
-    background_worker(run_loops_below)
-    hold_scratch()
 
 
 class Scheduler:
@@ -55,7 +47,7 @@ class Scheduler:
         # Compression is background work: its worker runs below the vCPUs, or only its C loops
         # do (``run_loops_below``: the codec's, memory/zstdlib.py; host.threads.background_worker).
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="azq-compress",
-                                          initializer=os_named(functools.partial(_start_worker,
+                                          initializer=os_named(functools.partial(background_worker,
                                                                                  run_loops_below)))
         self._queued = 0                  # jobs submitted and not finished (the worker's queue)
         self._queued_lock = threading.Lock()
@@ -149,9 +141,6 @@ class Scheduler:
             st.pending = None
             with self._queued_lock:
                 self._queued -= 1
-                idle = self._queued == 0
-            if idle:        # the burst is over: its work buffers go (pages.hold_scratch)
-                drop_held_scratch()
 
     def _compress_same_wait(self, name: str, st: SchedState, wait_since_s: float) -> None:
         """Compress only if the wait that was seen is still the current one."""

@@ -5,12 +5,10 @@ linux policy, and the pressure ablation compressing the largest sandbox over the
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
-import numpy as np
 import pytest
 
-from azqemu.pages import operation_scratch, scratch_rows
 from azqemu.sched import policy
 from azqemu.sched.actions import SchedActions, SchedState
 from azqemu.sched.phases import PhaseTracker
@@ -35,7 +33,6 @@ class FakeActions:
         self.sizes: dict[str, int] = {}
         self.hold: threading.Event | None = None
         self.started = threading.Event()
-        self.work: Callable[[str], None] | None = None     # run by each compression (in the worker)
 
     @property
     def sched_states(self) -> Mapping[str, SchedState]:
@@ -46,8 +43,6 @@ class FakeActions:
         self.started.set()
         if self.hold is not None:
             self.hold.wait(5)
-        if self.work is not None:
-            self.work(name)
 
     def compress_and_run_on(self, name: str) -> None:
         self.calls.append(("pressure", name))
@@ -270,29 +265,3 @@ def test_a_trim_never_queues_ahead_of_a_compression(sched: Scheduler, fake: Fake
     assert fake.calls == [("compress", "w1"), ("compress", "w2")]
     _tick(sched)                                  # the worker is idle again: now the trim
     assert fake.calls[-1] == ("trim", "tool") and sched._queued == 0
-
-
-def test_the_worker_keeps_its_work_buffers_through_a_burst_and_drops_them_after(
-        sched: Scheduler, fake: FakeActions, clock: Clock) -> None:
-    """Compressions queued back to back refill one set of buffers (no fresh memory to fault in
-    for each); once none is queued behind the last, the set is given back."""
-    seen: list[tuple[str, np.ndarray, int]] = []
-
-    def work(name: str) -> None:
-        scratch = operation_scratch()
-        buf = scratch_rows(scratch, "read", 4)
-        seen.append((name, buf.base if buf.base is not None else buf, len(scratch)))
-    fake.work = work
-    w1, w2 = (_add(fake, clock, n, "agentzip") for n in ("w1", "w2"))
-    w1.tracker.hint("wait")
-    w2.tracker.hint("wait")
-    fake.hold = threading.Event()
-    clock.t += 1.5
-    sched.tick()                                  # both queued, w1 held until both are in
-    assert fake.started.wait(5) and sched._queued == 2
-    fake.hold.set()
-    sched._worker.submit(lambda: None).result(timeout=5)
-    assert [n for n, _, _ in seen] == ["w1", "w2"]
-    assert seen[1][1] is seen[0][1]               # w2 refilled w1's buffer
-    assert sched._worker.submit(lambda: len(operation_scratch())).result(timeout=5) == 0
-    assert operation_scratch() is not operation_scratch()    # other threads: a new set each time
