@@ -86,6 +86,10 @@ def _comm(tid: str) -> str:
         return ""
 
 
+def _thread_names() -> set[str]:
+    return {_comm(t) for t in os.listdir("/proc/self/task")}
+
+
 def _wait_for(cond, timeout_s: float = 5) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond() and time.monotonic() < deadline:
@@ -101,9 +105,8 @@ def test_store_pages_are_served_by_the_c_thread_alone(world) -> None:
         assert h.native
         # The C thread, the Python one (top -H); the Python one names itself once it runs.
         want = {"azq-fault", "azq-faults-sb"}
-        names = lambda: {_comm(t) for t in os.listdir("/proc/self/task")}   # noqa: E731
-        _wait_for(lambda: want <= names())
-        assert want <= names(), names()
+        _wait_for(lambda: want <= _thread_names())
+        assert want <= _thread_names(), _thread_names()
         got1: dict[int, bytes] = {}
         got2: dict[int, bytes] = {}
         t1, t2 = ram.reader(list(range(PAGES)), got1), ram.reader(list(reversed(range(PAGES))), got2)
