@@ -434,7 +434,8 @@ long azq_decode_batch(ZSTD_DCtx *dctx, int k, const uint8_t *src, const uint32_t
 }
 
 /* One PATCH payload onto ref (the zero page if NULL) into dst: 0, or -1 if malformed. The
- * single-page decode (blobdecode.decode_recipe: DUP confirmations, SDELTA bases) calls it. */
+ * single-page decode (blobdecode.decode_recipe: a page read alone, pagedecode.py) calls it;
+ * the encoder's DUP confirmations and SDELTA bases go through decode_batch now. */
 int azq_patch_apply(const uint8_t *src, uint32_t len, const uint8_t *ref, uint8_t *dst)
 {
     return patch_apply(src, len, ref, dst);
