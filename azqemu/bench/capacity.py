@@ -21,6 +21,17 @@ Host cost per density run: ``host_cost_bytes_avg`` when the density result has i
 ``host_used_bytes_avg - qemu_own_bytes_avg * N`` (the same definition, DESIGN.md "Benchmark
 definitions"; ``qemu_own_bytes_avg`` is per sandbox).
 
+Each run measures above the host as it was idle at its own start, and so above the manager as it
+was then: growth of the manager that a policy's run leaves behind (a first compression's
+warm-up: the template's index, code paths run once, heap it keeps; +14 MiB at 16 sandboxes,
+docs/figures.md session 27) would count in that policy's first point only and tilt its line (at
+4, 8, 16 a 14 MiB one-time growth lowers the slope by ~1 MiB a sandbox). So every point carries
+what the policy's own runs at smaller fan-outs left in the manager (``manager_carried_bytes``:
+per earlier run, the manager's anonymous memory once its sandboxes were gone, the next run's
+``manager_anon_at_start_bytes`` or the density run's ``manager_after``, minus at its start):
+one-time growth lands in ``fixed``, where it belongs, and only in the policy that caused it.
+Density results without those fields, or merged from several rounds, carry nothing.
+
 The result is the stable JSON contract of ``azq bench capacity --json`` (DESIGN.md):
 
     {"workload": s, "budget_bytes": n, "fanouts": [N, ...],
@@ -111,6 +122,7 @@ class Point:
     failed_steps: int
     host_cost_source: str        # "measured" (host_cost_bytes_avg) or "derived" (used - QEMU's own)
     manager_bytes: float = float("nan")  # the manager's anonymous memory above idle (else its RSS)
+    manager_carried_bytes: float = 0.0   # its growth before this run, since the sweep began (in the costs)
 
 
 def _num(pol: dict[str, Any], key: str) -> float:
@@ -120,9 +132,23 @@ def _num(pol: dict[str, Any], key: str) -> float:
     return float(v)
 
 
-def point_of(pol: dict[str, Any], sandboxes: int) -> Point:
+def growth_left_bytes(density: dict[str, Any]) -> dict[str, float]:
+    """Per policy of one density run, the manager's anonymous memory its run left behind: at the
+    start of the run after it (policies run in the order listed), or once the whole density run
+    was over, minus at its own start. Empty for a result merged from several rounds (the order
+    changes between rounds); a policy without the manager's figures is left out."""
+    if len(density.get("rounds") or []) > 1:
+        return {}
+    names = list(density.get("policies", {}))
+    starts = [_num(density["policies"][p], "manager_anon_at_start_bytes") for p in names]
+    ends = starts[1:] + [_num(density.get("manager_after") or {}, "anon_bytes")]
+    return {p: e - s for p, s, e in zip(names, starts, ends, strict=True) if math.isfinite(e - s)}
+
+
+def point_of(pol: dict[str, Any], sandboxes: int, carried_bytes: float = 0.0) -> Point:
     """The host cost of one policy in one density result (measured, or derived until the
-    density benchmark reports it)."""
+    density benchmark reports it), plus ``carried_bytes``: what the policy's earlier runs left
+    in the manager (``growth_left_bytes``), which this run's idle baseline holds."""
     used = _num(pol, "host_used_bytes_avg")
     qemu = _num(pol, "qemu_own_bytes_avg")
     cost = _num(pol, "host_cost_bytes_avg")
@@ -131,14 +157,18 @@ def point_of(pol: dict[str, Any], sandboxes: int) -> Point:
         cost = used - (qemu if math.isfinite(qemu) else 0.0) * sandboxes
         source = "derived"
     lat = pol.get("tool_latency_s") or {}
-    manager = _num(pol, "manager_anon_above_idle_bytes_avg")
+    # The manager above itself at the run's start, plus what it carries; older results: above
+    # the idle manager before the density run, else its RSS.
+    manager = _num(pol, "manager_anon_bytes_avg") - _num(pol, "manager_anon_at_start_bytes") + carried_bytes
+    if not math.isfinite(manager):
+        manager = _num(pol, "manager_anon_above_idle_bytes_avg")
     if not math.isfinite(manager):
         manager = _num(pol, "manager_rss_bytes_avg")
-    return Point(sandboxes=sandboxes, host_cost_bytes=cost, host_used_bytes=used,
+    return Point(sandboxes=sandboxes, host_cost_bytes=cost + carried_bytes, host_used_bytes=used + carried_bytes,
                  qemu_own_bytes_per_sandbox=qemu, owned_bytes=_num(pol, "owned_bytes_avg"),
                  tool_latency_median_s=_num(lat, "median"), tool_latency_p95_s=_num(lat, "p95"),
                  failed_steps=int(pol.get("failed_steps", 0) or 0), host_cost_source=source,
-                 manager_bytes=manager)
+                 manager_bytes=manager, manager_carried_bytes=carried_bytes)
 
 
 @dataclass(frozen=True)
@@ -184,8 +214,11 @@ def summarize(workload: str, budget_bytes: int, densities: dict[int, dict[str, A
     for n in fanouts:
         names += [p for p in densities[n]["policies"] if p not in names]
     policies: dict[str, Any] = {}
+    left = {n: growth_left_bytes(densities[n]) for n in fanouts}
     for name in ordered(names):
-        pts = [point_of(densities[n]["policies"][name], n) for n in fanouts if name in densities[n]["policies"]]
+        at = [n for n in fanouts if name in densities[n]["policies"]]
+        pts = [point_of(densities[n]["policies"][name], n, sum(left[m].get(name, 0.0) for m in at if m < n))
+               for n in at]
         fit = fit_line([p.sandboxes for p in pts], [p.host_cost_bytes for p in pts])
         qemu = [p.qemu_own_bytes_per_sandbox for p in pts if math.isfinite(p.qemu_own_bytes_per_sandbox)]
         qemu_per = float(np.mean(qemu)) if qemu else 0.0

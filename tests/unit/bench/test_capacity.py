@@ -113,6 +113,44 @@ def test_a_nan_point_is_left_out_of_the_fit() -> None:
     assert pol["marginal_host_cost_bytes"] == pytest.approx(TRUTH["none-cow"][1])
 
 
+def test_growth_the_manager_keeps_lands_in_fixed_not_in_the_slope() -> None:
+    """A one-time growth of the manager during agentzip's first run (a first compression's
+    warm-up) stays: later runs' idle baselines hold it. Not carried, it shows in agentzip's
+    first point alone and tilts its line (here by 14 MiB over 12 sandboxes); carried, it is in
+    agentzip's fixed part, and in no other policy's figures."""
+    idle, warm = 50 * MIB, 14 * MIB
+    d = _densities([4, 8, 16])
+    assert list(d[4]["policies"]) == ["none-cow", "linux", "agentzip"]       # the order they ran in
+    for n in (4, 8, 16):
+        base = idle if n == 4 else idle + warm
+        d[n]["manager_idle"] = {"anon_bytes": base, "rss_bytes": 0}
+        d[n]["manager_after"] = {"anon_bytes": idle + warm, "rss_bytes": 0}
+        for p, pol in d[n]["policies"].items():
+            pol["manager_anon_at_start_bytes"] = base
+            pol["manager_anon_bytes_avg"] = base + (warm if (n, p) == (4, "agentzip") else 0)
+        if n == 4:
+            d[n]["policies"]["agentzip"]["host_cost_bytes_avg"] += warm
+    assert capacity.growth_left_bytes(d[4]) == {"none-cow": 0.0, "linux": 0.0, "agentzip": warm}
+    assert capacity.growth_left_bytes(d[8]) == dict.fromkeys(TRUTH, 0.0)
+    raw = [capacity.point_of(d[n]["policies"]["agentzip"], n) for n in (4, 8, 16)]
+    tilted = capacity.fit_line([4, 8, 16], [p.host_cost_bytes for p in raw])
+    assert tilted is not None and tilted.marginal_bytes < TRUTH["agentzip"][1] - 0.9 * MIB
+    r = capacity.summarize("w", 8 * GIB, d)
+    for name, (fixed, marginal, _q) in TRUTH.items():
+        pol = r["policies"][name]
+        mine = warm if name == "agentzip" else 0.0
+        assert pol["marginal_host_cost_bytes"] == pytest.approx(marginal, rel=1e-6)
+        assert pol["fixed_host_cost_bytes"] == pytest.approx(fixed + mine, rel=1e-6)
+        assert {p["sandboxes"]: p["manager_carried_bytes"] for p in pol["points"]} == {4: 0.0, 8: mine, 16: mine}
+        # The manager's part: measured in the run that grew it, carried in the later ones.
+        assert {p["sandboxes"]: p["manager_bytes"] for p in pol["points"]} == {4: mine, 8: mine, 16: mine}
+    # Results merged from rounds (the order changes) or without the manager's figures carry nothing.
+    d[4]["rounds"] = [{"order": ["none-cow", "linux", "agentzip"]}, {"order": ["agentzip", "linux", "none-cow"]}]
+    assert capacity.growth_left_bytes(d[4]) == {}
+    plain = capacity.summarize("w", 8 * GIB, _densities([4, 8, 16]))
+    assert all(p["manager_carried_bytes"] == 0.0 for pol in plain["policies"].values() for p in pol["points"])
+
+
 def test_budget_smaller_than_fixed_fits_nothing() -> None:
     r = capacity.summarize("w", 100 * MIB, _densities([4, 8]))
     assert r["policies"]["agentzip"]["fit_host_cost"] == 0
