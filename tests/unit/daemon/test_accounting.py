@@ -3,6 +3,7 @@ bytes per sandbox, the store's dead bytes shared out pro rata, QEMU's own memory
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -38,8 +39,24 @@ class FakeMem:
 
 
 @pytest.fixture
+def ram_fds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
+    """Each memfd clone's RAM as QEMU's /proc/PID/fd/N shows it: a link to a file holding
+    RESIDENT[pid] bytes: ``links`` by pid, which procfs.find_ram_fd answers with, and its
+    ``lookups`` (the pids asked)."""
+    links = {}
+    for pid, size in RESIDENT.items():
+        ram = tmp_path / f"memfd-{pid}"
+        ram.write_bytes(b"\1" * size)
+        links[pid] = tmp_path / f"fd-{pid}"
+        links[pid].symlink_to(ram)
+    lookups: list[int] = []
+    monkeypatch.setattr(procfs, "find_ram_fd", lambda pid, backing=None: lookups.append(pid) or links[pid])
+    return SimpleNamespace(links=links, lookups=lookups)
+
+
+@pytest.fixture
 def mgr(cfg: Any, host: Any, sandbox_meta_of: Any, template: TemplateMeta,
-        monkeypatch: pytest.MonkeyPatch) -> Manager:
+        monkeypatch: pytest.MonkeyPatch, ram_fds: SimpleNamespace) -> Manager:
     for name, mode, pid in (("m0", "eager", 101), ("m1", "eager", 102), ("c0", "cow", 103), ("down", "eager", None)):
         host.add(name, sandbox_meta_of(ram_mode=mode), pid=pid)
     m = Manager(cfg, host=host)
@@ -133,6 +150,35 @@ def test_without_ksm_pages_a_cow_clone_is_counted_from_its_page_tables(
     assert row["qemu_own_bytes"] == 95_000          # smaps still gives QEMU's Pss, once per refresh
     mgr.op_owned(["c0"])
     assert smaps_reads == [103] and maps_reads == [103]
+
+
+def test_a_memfd_clones_ram_file_is_found_once_per_qemu_process(
+        mgr: Manager, ram_fds: SimpleNamespace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """QEMU's open files are listed once per process to find the RAM memfd; later samples
+    stat the same fd, after checking that its link still names the same file."""
+    lookups, link = ram_fds.lookups, ram_fds.links[101]
+    for _ in range(3):
+        assert mgr.op_owned(["m0"])["sandboxes"]["m0"]["resident_bytes"] == 10 * PAGE
+    assert lookups == [101]
+    (tmp_path / "memfd-101").write_bytes(b"\1" * 12 * PAGE)         # the guest wrote more
+    assert mgr.op_owned(["m0"])["sandboxes"]["m0"]["resident_bytes"] == 12 * PAGE
+    assert lookups == [101]
+    # The fd number names another file now: looked up again.
+    other = tmp_path / "memfd-101-new"
+    other.write_bytes(b"\1" * 3 * PAGE)
+    link.unlink()
+    link.symlink_to(other)
+    assert mgr.op_owned(["m0"])["sandboxes"]["m0"]["resident_bytes"] == 3 * PAGE
+    assert lookups == [101, 101]
+    # Another QEMU process for the name (a new pid): looked up again.
+    monkeypatch.setattr(mgr.accounting, "qemu_pid", lambda name: 102)
+    assert mgr.op_owned(["m0"])["sandboxes"]["m0"]["resident_bytes"] == 20 * PAGE
+    assert lookups == [101, 101, 102]
+    # QEMU gone between the pid and the files: nothing resident, no error.
+    monkeypatch.setattr(procfs, "find_ram_fd", lambda pid, backing=None: tmp_path / "gone")
+    monkeypatch.setattr(mgr.accounting, "qemu_pid", lambda name: 101)
+    link.unlink()
+    assert mgr.op_owned(["m0"])["sandboxes"]["m0"]["resident_bytes"] == 0
 
 
 def test_owned_of_named_sandboxes_reports_unknown_ones_as_errors(mgr: Manager) -> None:
