@@ -27,7 +27,11 @@ JUDGE_PAGES = 256
 # A trim reads and hashes every copy its sandbox holds, vCPUs paused. In long-lived-heap at 8
 # sandboxes half of the trims dropped under 2% of the copies (the tool call was using what it
 # held) and took 43% of the trims' CPU: after such a trim the next waits twice as long, up to
-# BACKOFF_MAX_S; a trim that pays, or a compression in the next wait, brings the pace back.
+# BACKOFF_MAX_S; a trim that pays brings the pace back. The pace outlives a compression: a
+# sandbox whose last trim dropped little uses what it holds in the next tool call as well (in
+# coding-agent at 16, the first trim of 33 of 34 such tool calls dropped under 5% again, against
+# 8 of 35 after a trim that paid; docs/figures.md, session 28), so the next call's first trim
+# waits for the pace too, counted from the resume (SandboxMemory.trim_due).
 PAYOFF_SHARE = 0.02
 BACKOFF_MAX_S = 32.0
 
@@ -85,10 +89,8 @@ class ColdRule:
         return int(self._dropped.nbytes + self._back.nbytes)
 
     def forget_drops(self) -> None:
-        """A compression starts a new fault record: drops noted before it cannot be judged,
-        and the trims' pace starts again (what the tool call before the wait left alone says
-        nothing about the next one; a wait too short to compress keeps the pace)."""
-        self.pace_s = 0.0
+        """A compression starts a new fault record: drops noted before it cannot be judged.
+        The trims' pace stays (see PAYOFF_SHARE): a trim that pays resets it."""
         self._dropped = self._back = np.empty(0, dtype=np.int64)
 
 

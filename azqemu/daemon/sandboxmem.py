@@ -388,9 +388,11 @@ class SandboxMemory:
     def trim_due(self, every_s: float, backoff: bool = True) -> bool:
         """Whether a trim now could drop anything its predecessor could not: at most one per
         ``every_s``, and per ``ColdRule.trim_gap_s`` (half the cold age, or more after trims
-        that dropped little, with ``backoff``)."""
+        that dropped little, with ``backoff``), from the last trim or the resume since (a tool
+        call's first trim waits for the pace its sandbox's trims had before the wait)."""
+        since = max(self._trimmed_at, self._resumed_at)
         return (self.cow and not self.compressed
-                and time.monotonic() - self._trimmed_at >= max(every_s, self.cold.trim_gap_s(backoff)))
+                and time.monotonic() - since >= max(every_s, self.cold.trim_gap_s(backoff)))
 
     def trim(self, stop: Callable[[], bool] | None = None,
              paused: Callable[[], AbstractContextManager[object]] = nullcontext) -> TrimStats:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import time
+from functools import partial
+from types import SimpleNamespace
+
 import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
 from azqemu.daemon import coldrule
 from azqemu.daemon.coldrule import ColdRule
+from azqemu.daemon.sandboxmem import SandboxMemory
 
 
 def test_pages_that_come_back_make_the_rule_wait_longer() -> None:
@@ -43,8 +48,9 @@ def test_the_rule_stays_within_its_bounds(shares: list[float]) -> None:
 
 def test_trims_that_drop_little_space_out_the_next_ones() -> None:
     """Each trim that drops under PAYOFF_SHARE of the copies doubles the least wait before
-    the next (from twice the shortest cold age, up to BACKOFF_MAX_S); one that pays, or a
-    compression (forget_drops), brings it back to nothing."""
+    the next (from twice the shortest cold age, up to BACKOFF_MAX_S); one that pays brings it
+    back to nothing. A compression (forget_drops) keeps it: the next tool call's trims start
+    at the pace the last ones had."""
     r = ColdRule()
     waits = []
     for k in range(6):
@@ -56,8 +62,11 @@ def test_trims_that_drop_little_space_out_the_next_ones() -> None:
     r.note_dropped(np.arange(2_000), 10_000)                  # 20%: paid
     assert r.pace_s == 0.0 and r.trim_gap_s() == r.after_s / 2
     r.note_dropped(np.empty(0), 10_000)
+    r.note_dropped(np.arange(50), 10_000)
+    assert r.pace_s == 8.0
     r.forget_drops()
-    assert r.pace_s == 0.0
+    assert r.pace_s == 8.0 and r.trim_gap_s() == 8.0 and r.state_bytes() == 0
+    r.note_dropped(np.arange(300), 10_000)                    # 3%: paid
     r.note_dropped(np.empty(0), 0)                            # nothing resident: nothing to judge
     assert r.pace_s == 0.0
 
@@ -80,3 +89,22 @@ def test_drops_no_fault_can_judge_pay_for_the_pace_but_are_not_judged() -> None:
     r.note_dropped(np.arange(10, 20), 10_000)              # 0.1%: did not
     assert r.pace_s == 2 * coldrule.AFTER_MIN_S
     assert r.judge(np.arange(5)) == coldrule.AFTER_MIN_S and r.judged == 0   # 20 pages: too few
+
+
+def test_a_tool_calls_first_trim_waits_for_the_pace_from_the_resume() -> None:
+    """SandboxMemory.trim_due: the least time between trims counts from the last trim or
+    the resume since, whichever came later, so a pace carried over a compression delays the
+    next tool call's first trim by that much."""
+    now = time.monotonic()
+    mem = SimpleNamespace(cow=True, compressed=False, cold=ColdRule(), _trimmed_at=now - 60.0, _resumed_at=now - 3.0)
+    due = partial(SandboxMemory.trim_due, mem, 2.0)  # type: ignore[arg-type]
+    assert due()                                     # no pace: 2 s after the resume
+    mem.cold.pace_s = 8.0                            # the last call's trims dropped little
+    assert not due() and due(backoff=False)
+    mem._resumed_at = now - 9.0
+    assert due()
+    mem._trimmed_at = now - 1.0                      # a trim since the resume
+    assert not due(backoff=False)
+    mem.compressed = True
+    mem._trimmed_at = now - 60.0
+    assert not due()                                 # compressed: nothing resident to trim
