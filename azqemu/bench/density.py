@@ -262,9 +262,12 @@ def run_policy(c: Client, template: str, wl: Workload, plan: list[list[Step]], p
     # memory that came during the run and stayed as a rise; either moved this policy's host
     # cost the same way (report.idle_drift_note). The idle host alone moves by tens of MiB
     # (MemAvailable's estimate of reclaimable cache; docs/figures.md, session 16).
+    # The host is given a little time to free what the teardown let go (hostmem.wait_back_to):
+    # the next policy's baseline is taken after this one's.
+    return_s = hostmem.wait_back_to(baseline.used_bytes)
     after = hostmem.idle_baseline(duration_s=2.0)
     run.extra.update(host_idle_used_bytes=baseline.used_bytes, host_idle_after_used_bytes=after.used_bytes,
-                     host_idle_drift_bytes=after.used_bytes - baseline.used_bytes)
+                     host_idle_drift_bytes=after.used_bytes - baseline.used_bytes, host_return_s=return_s)
     return run
 
 

@@ -69,6 +69,35 @@ SETTLE_SPREAD_BYTES = 16 << 20
 SETTLE_TIMEOUT_S = 30.0
 
 
+# After a policy's run, before the next idle baseline, the host is given up to RETURN_TIMEOUT_S
+# to come back within RETURN_SLACK_BYTES of its idle level before the run. Measured after the
+# linux policy's teardown (swapoff, zram reset, KSM unmerged; 4 sandboxes): MemAvailable stood
+# 41 MiB below its level before the run when the teardown returned, and was back within 8 s,
+# falling by ~4 MiB a sample on the way: steady enough for ``idle_baseline``'s window. In a
+# capacity sweep the policy run after linux took such a baseline at each fan-out, and every
+# one of its host costs came out low by as much (-30 MiB at 4 sandboxes; docs/figures.md,
+# session 28).
+RETURN_SLACK_BYTES = 16 << 20
+RETURN_TIMEOUT_S = 30.0
+
+
+def wait_back_to(used_bytes: int, timeout_s: float = RETURN_TIMEOUT_S, slack_bytes: int = RETURN_SLACK_BYTES,
+                 interval_s: float = 0.5) -> float:
+    """Wait until host memory in use (MemTotal - MemAvailable) is at most ``used_bytes`` plus
+    ``slack_bytes``, or ``timeout_s`` passed; returns the seconds waited. Memory that stays
+    longer is what the run left behind: the next baseline holds it and the run's
+    ``host_idle_drift_bytes`` reports it."""
+    t0 = time.monotonic()
+    while True:
+        mi = read_meminfo()
+        if mi.get("MemTotal", 0) - mi.get("MemAvailable", 0) <= used_bytes + slack_bytes:
+            break
+        if time.monotonic() - t0 >= timeout_s:
+            break
+        time.sleep(interval_s)
+    return time.monotonic() - t0
+
+
 def idle_baseline(duration_s: float = 3.0, interval_s: float = 0.25) -> Baseline:
     """Measure the host before any sandbox exists; subtract ``used_bytes`` from host_used.
     The window slides until it is steady (or SETTLE_TIMEOUT_S passed)."""

@@ -6,9 +6,11 @@ The readers they use are tested in tests/unit/host (test_procfs.py, test_memacct
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from azqemu.bench import hostmem as hm
 from azqemu.host.memacct import KsmStat
+from azqemu.units import MIB
 
 
 def test_sample_host() -> None:
@@ -33,3 +35,23 @@ def test_latency_summary() -> None:
     assert hm.latency_summary([1.0, 2.0, 3.0])["median"] == 2.0
     assert hm.latency_summary([float(x) for x in range(1, 101)])["p95"] == np.percentile(range(1, 101), 95)
     assert np.isnan(hm.latency_summary([])["p95"])
+
+
+def test_wait_back_to_waits_for_the_host_to_free_what_a_run_let_go(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host memory in use falls back after a teardown: the wait ends once it is within the
+    slack of the level before the run, and gives up at the timeout when it stays above."""
+    total = 1000 * MIB
+    used = iter([80 * MIB, 60 * MIB, 30 * MIB, 20 * MIB, 20 * MIB])
+    reads: list[int] = []
+
+    def meminfo() -> dict[str, int]:
+        u = next(used)
+        reads.append(u)
+        return {"MemTotal": total, "MemAvailable": total - u}
+    monkeypatch.setattr(hm, "read_meminfo", meminfo)
+    waited = hm.wait_back_to(10 * MIB, timeout_s=5.0, slack_bytes=16 * MIB, interval_s=0.01)
+    assert reads == [80 * MIB, 60 * MIB, 30 * MIB, 20 * MIB] and 0.02 <= waited < 5.0
+    monkeypatch.setattr(hm, "read_meminfo", lambda: {"MemTotal": total, "MemAvailable": total - 90 * MIB})
+    assert 0.05 <= hm.wait_back_to(10 * MIB, timeout_s=0.05, interval_s=0.01) < 1.0
+    # Already back: no wait at all.
+    assert hm.wait_back_to(90 * MIB, timeout_s=5.0) < 0.5
