@@ -6,9 +6,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numpy as np
-
 from azqemu.errors import RestoreError
+from azqemu.quantiles import quantiles
 
 
 class CompressCancelled(RestoreError):
@@ -85,8 +84,8 @@ def memory_stats(mem: Any, *, reset: bool = False) -> dict[str, object]:
     service: dict[str, float | int] = {"samples": int(len(t_ns))}
     if len(t_ns):
         t_us = t_ns / 1e3
-        service.update(min=float(t_us.min()), median=float(np.median(t_us)), p90=float(np.percentile(t_us, 90)),
-                       p99=float(np.percentile(t_us, 99)), max=float(t_us.max()),
+        median, p90, p99 = quantiles(t_us, (50, 90, 99))
+        service.update(min=float(t_us.min()), median=median, p90=p90, p99=p99, max=float(t_us.max()),
                        mean=float(t_us.mean()))
     counters = asdict(h)
     for k in ("service_us_median", "service_us_p99", "service_samples"):

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from azqemu.host.threads import FAULT_HANDLER_NICE, os_named, set_thread_nice
+from azqemu.quantiles import quantiles
 from azqemu.restore import native as cfaults
 from azqemu.restore import uffd_abi as abi
 from azqemu.restore.errors import UffdIoctlError
@@ -359,7 +360,7 @@ class FaultHandler:
 
     def stats(self) -> HandlerStats:
         t = self.service_times_ns()
-        med, p99 = (float(np.median(t)) / 1e3, float(np.percentile(t, 99)) / 1e3) if len(t) else (0.0, 0.0)
+        med, p99 = (q / 1e3 for q in quantiles(t, (50, 99))) if len(t) else (0.0, 0.0)
         c = self._native.counters() if self._native is not None else dict.fromkeys(cfaults.COUNTERS, 0)
         return HandlerStats(self._faults + c["faults"], self._served + c["served"],
                             self._eexist + c["already_present"], self._retries + c["retries"], self._errors,
