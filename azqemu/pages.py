@@ -60,7 +60,8 @@ def unique_idx(values: np.ndarray) -> np.ndarray:
     hashes in np.unique: 6.0 ms for 40,000 page indices here against 1.3 ms for a sort, and
     a stable sort (timsort) merges the ascending runs these arrays are made of (sets joined,
     chunks concatenated) in linear time: the union of two sorted 20,000-page sets takes
-    0.23 ms this way against np.union1d's 4.7 ms."""
+    0.23 ms this way against np.union1d's 4.7 ms. And a plain np.unique (numpy 2.4) imports
+    numpy.ma to ask whether its input is masked: 1.9 MiB the manager would hold for good."""
     a = np.sort(np.ravel(values), kind="stable")
     if len(a) < 2:
         return a

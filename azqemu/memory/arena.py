@@ -52,6 +52,7 @@ import xxhash
 
 from azqemu.errors import StoreCorrupt, StoreForeign
 from azqemu.memory.persist import StoreFull, is_no_space
+from azqemu.pages import unique_idx
 
 ARENA_MAGIC = b"AZQARENA"
 ARENA_VERSION = 1
@@ -409,7 +410,7 @@ class ArenaSet:
         lengths = np.asarray(lengths, dtype=np.uint32)
         if len(arena_ids) == 0:
             return b""
-        present = np.unique(arena_ids)
+        present = unique_idx(arena_ids)
         base = np.zeros(int(present.max()) + 1, dtype=np.uint64)
         used = np.zeros(len(base), dtype=np.int64)
         for aid in present.tolist():
@@ -454,7 +455,7 @@ class ArenaSet:
         arena_ids = np.asarray(arena_ids, dtype=np.int64)
         offsets = np.asarray(offsets, dtype=np.int64)
         lengths = np.asarray(lengths, dtype=np.int64)
-        for aid in np.unique(arena_ids).tolist():
+        for aid in unique_idx(arena_ids).tolist():
             sel = arena_ids == aid
             a = self.arenas[aid]
             a.live -= int(lengths[sel].sum())
@@ -491,7 +492,7 @@ class ArenaSet:
                 mids = np.concatenate([np.arange(x + 1, y) for x, y in zip(f[spans > 0].tolist(),
                                                                            l_[spans > 0].tolist())])
                 np.add.at(a.dead, mids, np.uint16(ps))
-        touched = np.unique(np.concatenate([first, last]))
+        touched = unique_idx(np.concatenate([first, last]))
         full = touched[a.dead[touched] >= ps]
         if not len(full):
             return

@@ -21,6 +21,7 @@ from azqemu.memory.kinds import DECODE_COST_US, PAGE_SIZE, Method, RefType
 from azqemu.memory.simindex import LayeredIndex, SimilarityIndex
 from azqemu.memory.template import TemplateImage
 from azqemu.memory.zstdlib import PageZstd
+from azqemu.pages import unique_idx
 
 _REFTYPE_BLOB = int(RefType.BLOB)
 # Blobs decoded for the encoder (DUP confirmation, SDELTA bases) are cached per encode call.
@@ -36,7 +37,7 @@ class StoreDomainView:
         self.d, self.template = d, template
         self.cache: dict[int, np.ndarray] = {}
         # Blob ids the encoding sandbox references now (sorted): its old entries.
-        self.own_refs = np.unique(own_refs) if own_refs is not None else np.zeros(0, np.uint32)
+        self.own_refs = unique_idx(own_refs) if own_refs is not None else np.zeros(0, np.uint32)
 
     def find_dups(self, key: np.ndarray) -> np.ndarray:
         with self.lock:

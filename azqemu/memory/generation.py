@@ -63,6 +63,7 @@ from azqemu.memory.persist import (
 )
 from azqemu.memory.sbxindex import SandboxIndex
 from azqemu.memory.simindex import SimilarityIndex
+from azqemu.pages import unique_idx
 
 _REFTYPE_BLOB = int(RefType.BLOB)
 QUARANTINE_DIR = "quarantine"
@@ -365,7 +366,7 @@ def _load_checked(root: Path, path: Path, arena_bytes: int,
         # space waits for the next commit like any other dead blob's.
         rows = table.rows
         b = orphans
-        for aid in np.unique(rows["arena"][b]).tolist():
+        for aid in unique_idx(rows["arena"][b]).tolist():
             sel = b[rows["arena"][b] == aid]
             arena_set.pending_release.append((int(aid), rows["offset"][sel].astype(np.int64),
                                               rows["length"][sel].astype(np.int64)))
@@ -496,7 +497,7 @@ def validate_generation(path: Path, table: BlobTable, arenas: ArenaSet,
             raise StoreCorrupt(str(path), "unknown blob method or reference type")
         if (lv["length"] == 0).any() or (lv["length"] > PAGE_SIZE + 128).any():
             raise StoreCorrupt(str(path), "blob length out of bounds")
-        for a_id in np.unique(lv["arena"]):
+        for a_id in unique_idx(lv["arena"]):
             a = arenas.arenas.get(int(a_id))
             sel = lv[lv["arena"] == a_id]
             if a is None:

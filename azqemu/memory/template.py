@@ -30,6 +30,7 @@ from azqemu.errors import StoreError
 from azqemu.memory.kinds import PAGE_SHIFT, PAGE_SIZE
 from azqemu.memory.pagehash import ZERO_CHECK, ZERO_KEY, page_hashes
 from azqemu.memory.ram import RamLayout, _extent_pages, _page_extents
+from azqemu.pages import unique_idx
 
 # Pages hashed / fingerprinted per step: bounds every temporary whatever the template size.
 INDEX_CHUNK_PAGES = 4096
@@ -148,7 +149,7 @@ class TemplateImage:
             dest = np.asarray(mapping)
             dest[idx] = src              # only these pages are ever written (allocated)
             del dest
-            idx = np.unique(idx)         # (writable underneath: tests corrupt a page on purpose)
+            idx = unique_idx(idx)        # (writable underneath: tests corrupt a page on purpose)
         self._mapping: _Mapping | None = mapping
         pages_z = np.asarray(mapping)[:]       # a view: its base says whether it may be written
         pages_z.flags.writeable = False

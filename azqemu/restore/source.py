@@ -34,7 +34,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from azqemu.pages import PAGE_SIZE
+from azqemu.pages import PAGE_SIZE, unique_idx
 from azqemu.restore.errors import PageUnavailable
 
 
@@ -294,7 +294,7 @@ class CompositeSource:
             raise PageUnavailable(int(offsets[0]), f"a page outside the {self.page_count} mapped")
         kinds = np.frombuffer(self._kind, dtype=np.uint8)[idx]
         ps = self.page_size
-        present = np.unique(kinds)
+        present = unique_idx(kinds)
         if len(present) == 1:
             return fill_pages(self._sources[present[0]], offsets, out, ps)
         pages_out = np.frombuffer(out, dtype=np.uint8).reshape(-1, ps)
