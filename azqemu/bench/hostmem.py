@@ -74,9 +74,8 @@ SETTLE_TIMEOUT_S = 30.0
 # linux policy's teardown (swapoff, zram reset, KSM unmerged; 4 sandboxes): MemAvailable stood
 # 41 MiB below its level before the run when the teardown returned, and was back within 8 s,
 # falling by ~4 MiB a sample on the way: steady enough for ``idle_baseline``'s window. In a
-# capacity sweep the policy run after linux took such a baseline at each fan-out, and every
-# one of its host costs came out low by as much (-30 MiB at 4 sandboxes; docs/figures.md,
-# session 28).
+# capacity sweep agentzip, run after linux at each fan-out, took such a baseline: its host
+# cost at 4 sandboxes came out at -30 MiB (docs/figures.md, session 28).
 RETURN_SLACK_BYTES = 16 << 20
 RETURN_TIMEOUT_S = 30.0
 
