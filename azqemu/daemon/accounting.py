@@ -50,11 +50,19 @@ class Accounting:
         return self.reg.host.qemu_pid(name)
 
     def resident_bytes(self, name: str) -> int | None:
-        """Guest RAM the host holds for ``name`` alone (None: no such sandbox running)."""
+        """Guest RAM the host holds for ``name`` alone (None: no such sandbox running). Read
+        as ``owned`` reads it, through the RAM's fd or range found once per QEMU process: the
+        pressure ablation asks for every sandbox at each scheduler tick."""
         try:
             rec = self.reg.record(name)
-            return self.domain_resident_bytes(self.reg.host.get_domain(name), rec.ram_mode)
-        except AzqemuError:
+            pid = self.qemu_pid(name)
+            if pid is None:
+                return None
+            if rec.ram_mode == "cow":
+                start, end = self._cow_ram(name, pid)
+                return pagemap.anon_page_counts(pid, start, (end - start) // PAGE_SIZE)[0] * PAGE_SIZE
+            return self._memfd_resident_bytes(name, pid)
+        except Exception:  # noqa: BLE001 - an unknown sandbox, or a domain stopping while read
             return None
 
     def domain_resident_bytes(self, dom: Domain, ram_mode: str) -> int | None:

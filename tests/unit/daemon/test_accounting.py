@@ -181,6 +181,21 @@ def test_a_memfd_clones_ram_file_is_found_once_per_qemu_process(
     assert mgr.op_owned(["m0"])["sandboxes"]["m0"]["resident_bytes"] == 0
 
 
+def test_resident_bytes_find_the_ram_once_per_qemu_process(
+        mgr: Manager, ram_fds: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pressure ablation's per-tick read: the memfd's fd and the copy-on-write RAM range
+    are looked up once per QEMU process, as for owned; unknown or stopped sandboxes: None."""
+    monkeypatch.setattr(pagemap, "anon_page_counts", lambda pid, hva, n: (7, 0))
+    maps_reads: list[int] = []
+    monkeypatch.setattr(procfs, "find_guest_ram", lambda pid, backing=None: maps_reads.append(pid) or (0, 1 << 30))
+    acct = mgr.accounting
+    for _ in range(3):
+        assert acct.resident_bytes("m0") == 10 * PAGE
+        assert acct.resident_bytes("c0") == 7 * PAGE
+    assert ram_fds.lookups == [101] and maps_reads == [103]
+    assert acct.resident_bytes("down") is None and acct.resident_bytes("nope") is None
+
+
 def test_owned_of_named_sandboxes_reports_unknown_ones_as_errors(mgr: Manager) -> None:
     rows = mgr.op_owned(["m0", "nope"])["sandboxes"]
     assert rows["nope"] == {"name": "nope", "error": "unknown sandbox 'nope'"}
