@@ -45,6 +45,7 @@ class Accounting:
         self._manager_memory_cache: tuple[float, dict[str, int]] | None = None
         self._ram_range: dict[str, tuple[int, int, int]] = {}     # name -> (QEMU pid, start, end)
         self._ram_fd: dict[str, tuple[int, str, str]] = {}        # name -> (QEMU pid, /proc/PID/fd/N, its target)
+        registry.on_forget.append(self.forget)
 
     def qemu_pid(self, name: str) -> int | None:
         return self.reg.host.qemu_pid(name)
@@ -289,12 +290,19 @@ class Accounting:
                 "manager_rss_bytes": psutil.Process().memory_info().rss,
                 "manager_memory": self.manager_memory()}
 
-    def _forget_all_but(self, names: set[str]) -> None:
-        """Drop the per-process caches of sandboxes that are gone (a daemon that runs for weeks
-        sees many names come and go)."""
+    def forget(self, name: str) -> None:
+        """Drop the per-process caches of a sandbox that went away (the registry calls this):
+        a daemon that runs for weeks sees many names come and go."""
         for cache in (self._ram_range, self._ram_fd, self._qemu_own_cache):
-            for gone in [n for n in cache if n not in names]:
-                del cache[gone]
+            cache.pop(name, None)
+
+    def _forget_all_but(self, names: set[str]) -> None:
+        """Drop the caches of names no record has (a sandbox forgotten while it was being read,
+        or left from before a restart). The keys are copied first: a sampler thread may add
+        one meanwhile."""
+        for cache in (self._ram_range, self._ram_fd, self._qemu_own_cache):
+            for gone in [n for n in list(cache) if n not in names]:
+                cache.pop(gone, None)
 
     def manager_memory_cached(self, max_age_s: float = MANAGER_MEMORY_MAX_AGE_S) -> dict[str, int]:
         """``manager_memory`` read again at most every ``max_age_s`` (for ``ping``, which

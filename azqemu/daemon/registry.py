@@ -45,6 +45,10 @@ class Registry:
         # Told of every record change, to mirror it into the domain's <metadata> (the
         # manager's daemon/domainmeta.MetadataWriter; never blocks).
         self.on_record_change: Callable[[str], None] | None = None
+        # Told of every sandbox that goes away (destroyed, or lost outside azqemu), after its
+        # scheduling state: caches keyed by its name (the accounting's) drop it then, not at
+        # their next full sweep, which a daemon that only serves metrics never makes.
+        self.on_forget: list[Callable[[str], None]] = []
 
     # -- lifecycle state --------------------------------------------------------------------
     def slot(self, name: str) -> Slot:
@@ -147,4 +151,6 @@ class Registry:
         self.sched.pop(name, None)
         self.exits.forget(name)
         self.slots.remove(name)
+        for hook in self.on_forget:
+            hook(name)
 

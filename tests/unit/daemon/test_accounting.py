@@ -196,6 +196,20 @@ def test_resident_bytes_find_the_ram_once_per_qemu_process(
     assert acct.resident_bytes("down") is None and acct.resident_bytes("nope") is None
 
 
+def test_a_destroyed_sandboxs_caches_go_with_it(mgr: Manager) -> None:
+    """Per-name caches are dropped when the sandbox is destroyed, not at a full sweep of
+    every sandbox (which a daemon that only serves one sandbox's metrics never makes)."""
+    acct = mgr.accounting
+    mgr.op_owned(["m0", "m1", "c0"])
+    caches = (acct._ram_fd, acct._ram_range, acct._qemu_own_cache)
+    assert "m0" in acct._ram_fd and "c0" in acct._ram_range and "c0" in acct._qemu_own_cache
+    del mgr.memory.mem["c0"]        # a stand-in for its store state: nothing to cancel or release
+    mgr.lifecycle.destroy("m0")
+    mgr.lifecycle.destroy("c0")
+    assert not any(n in cache for cache in caches for n in ("m0", "c0"))
+    assert "m1" in acct._qemu_own_cache
+
+
 def test_owned_of_named_sandboxes_reports_unknown_ones_as_errors(mgr: Manager) -> None:
     rows = mgr.op_owned(["m0", "nope"])["sandboxes"]
     assert rows["nope"] == {"name": "nope", "error": "unknown sandbox 'nope'"}
