@@ -12,7 +12,10 @@ command the host started with guest-exec, or a process marked with ``azq-phase r
 ``busy`` / ``idle`` (some non-kernel process is runnable or burning CPU / nothing is, and an
 in-guest agent process, if configured, is blocked on its LLM connection), ``hint`` (an
 explicit ``azq-phase tool|wait`` from inside the guest, forwarded) and ``state`` (the answer
-to the host's ``{"cmd":"state"}``). ``t`` is the guest's CLOCK_MONOTONIC in seconds; ``seq``
+to the host's ``{"cmd":"state"}``) and ``clock`` (the answer to ``{"cmd":"clock",
+"realtime_ns":N}``: the host's wall clock, sent when the sandbox's vCPUs continue after a pause or
+a clone, since a paused guest's clock stands still; the guest's clock is stepped to it and the
+step reported as ``skew_ms``). ``t`` is the guest's CLOCK_MONOTONIC in seconds; ``seq``
 counts every message the agent produced, so the host sees a gap when messages were dropped.
 
 The guest is untrusted: the host side (azqemu/sched/agent_channel.py) validates every line
@@ -26,7 +29,9 @@ the reporter itself never keeps the guest busy (its own pid is excluded from the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
+import fcntl
 import json
 import os
 import select
@@ -61,6 +66,10 @@ BUSY_TICKS_PER_SCAN = 2
 MAX_QUEUED = 64
 MAX_LINE_BYTES = 4096          # the host drops longer lines; we never write one
 MAX_COMMAND_BYTES = 4096       # longest command line we accept from the host
+# A wall clock the host may set: 2001-09-09 .. 2286-11-20 (10 digits of seconds); a value outside
+# is a broken host, not a time.
+CLOCK_MIN_NS, CLOCK_MAX_NS = 10**18, 10**19 - 1
+MAX_SKEW_MS = 1e12             # the host's bound on a reported step (~31 years)
 MAX_COMM_CHARS = 64
 PF_KTHREAD = 0x00200000        # include/linux/sched.h: task flag of kernel threads
 QEMU_GA_COMMS = ("qemu-ga",)   # /proc/PID/comm of /usr/bin/qemu-ga
@@ -429,6 +438,33 @@ class Port:
         self.connected = True
         self.inbuf = b""
         self.pending = b""   # the unwritten rest of a partly written line
+        self.wake_fd: int | None = None
+
+    def wake_on_host(self) -> int | None:
+        """Ask the kernel for SIGIO when the host connects or disconnects, or sends data
+        (virtio_console sends it on VIRTIO_CONSOLE_PORT_OPEN and on input), delivered as a
+        byte on the returned fd (signal.set_wakeup_fd), which the main loop polls. Without it
+        a port found disconnected (POLLHUP: a clone's host end is not connected yet) would be
+        polled again only after a write of ours went through, and a host command sent meanwhile
+        (the clock after a clone) would wait for our next event. None: not available here."""
+        r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            signal.signal(signal.SIGIO, lambda _signum, _frame: None)  # before O_ASYNC: SIGIO kills
+            signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+            fcntl.fcntl(self.fd, fcntl.F_SETOWN, os.getpid())
+            fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) | os.O_ASYNC)
+        except (OSError, ValueError):
+            os.close(r)
+            os.close(w)
+            return None
+        self.wake_fd = r
+        return r
+
+    def drain_wake(self) -> None:
+        assert self.wake_fd is not None
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self.wake_fd, 256):
+                pass
 
     def send(self, line: bytes) -> None:
         if len(self.queue) >= MAX_QUEUED:
@@ -597,9 +633,11 @@ class ProcEvents:
 
 class Agent:
     def __init__(self, port: Port, hints: HintSocket | None, detector: Detector,
-                 proc_root: str = "/proc", proc_events: ProcEvents | None = None) -> None:
+                 proc_root: str = "/proc", proc_events: ProcEvents | None = None,
+                 set_clock: bool = True) -> None:
         self.port, self.hints, self.detector, self.proc_root = port, hints, detector, proc_root
         self.proc_events = proc_events
+        self.set_clock = set_clock
         self.scanner = Scanner(proc_root)
         self.seq = 0
         self.stop = False
@@ -622,6 +660,25 @@ class Agent:
             return
         if isinstance(cmd, dict) and cmd.get("cmd") == "state":
             self.emit(self.detector.state())
+        elif isinstance(cmd, dict) and cmd.get("cmd") == "clock":
+            self.clock(cmd.get("realtime_ns"))
+
+    def clock(self, realtime_ns: object) -> None:
+        """Step the wall clock to the host's: a paused guest's clock stands still (QEMU stops
+        its virtual clock with the vCPUs), so after a compressed wait, or a clone of a template
+        saved hours ago, it is behind by as long. CLOCK_MONOTONIC is left alone."""
+        if type(realtime_ns) is not int or not CLOCK_MIN_NS <= realtime_ns <= CLOCK_MAX_NS:
+            return
+        skew_ms = (realtime_ns - time.clock_gettime_ns(time.CLOCK_REALTIME)) / 1e6
+        done = False
+        if self.set_clock:
+            try:
+                time.clock_settime_ns(time.CLOCK_REALTIME, realtime_ns)
+                done = True
+            except OSError:
+                pass
+        self.emit({"event": "clock", "phase": "wait" if self.detector.idle else "tool", "set": done,
+                   "skew_ms": round(max(-MAX_SKEW_MS, min(MAX_SKEW_MS, skew_ms)), 3)})
 
     def handle_proc_events(self, next_scan: float) -> float:
         assert self.proc_events is not None
@@ -652,6 +709,9 @@ class Agent:
             poller.register(self.hints.sock.fileno(), select.POLLIN)
         if self.proc_events is not None:
             poller.register(self.proc_events.sock.fileno(), select.POLLIN)
+        wake_fd = self.port.wake_on_host()
+        if wake_fd is not None:
+            poller.register(wake_fd, select.POLLIN)
         port_polled = False
         next_scan = time.monotonic()
         while not self.stop:
@@ -681,6 +741,11 @@ class Agent:
                             next_scan = time.monotonic()   # report the tool-start now
                 elif self.proc_events is not None and fd == self.proc_events.sock.fileno():
                     next_scan = self.handle_proc_events(next_scan)
+                elif fd == wake_fd:
+                    # The host end changed or sent something: poll the port again (a POLLHUP
+                    # without input turns it off again if the host is still away).
+                    self.port.drain_wake()
+                    self.port.connected = True
                 elif fd == self.port.fd:
                     if ev & select.POLLIN:
                         for line in self.port.read_commands():
@@ -713,6 +778,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--qemu-ga-comm", action="append", default=[], help=argparse.SUPPRESS)
     ap.add_argument("--no-proc-events", action="store_true",
                     help="do not use the kernel's process events connector (scan /proc only)")
+    ap.add_argument("--no-set-clock", action="store_true",
+                    help="answer the host's clock command without setting the clock (tests)")
     args = ap.parse_args(argv)
 
     try:
@@ -736,7 +803,7 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as err:
             print(f"azq-guest-agent: no process events ({err.strerror or err}); scanning only",
                   file=sys.stderr)
-    agent = Agent(port, hints, detector, args.proc, proc_events)
+    agent = Agent(port, hints, detector, args.proc, proc_events, set_clock=not args.no_set_clock)
 
     def on_signal(_signum: int, _frame: object) -> None:
         agent.stop = True

@@ -97,6 +97,10 @@ class Lifecycle:
         # The memory service fails sandboxes it cannot serve (lost pages, a handler that
         # keeps dying) through this narrow callback.
         memory.on_failed = registry.fail
+        # Told each time azqemu starts or continues a sandbox's vCPUs after they stood still
+        # (a clone, a resume, a compression that ended early): the manager sends the guest the
+        # host's wall clock then (daemon/guestclock.py). Never raises.
+        self.on_vcpus_continued: Callable[[str], object] = lambda _name: None
 
     # -- clone and destroy --------------------------------------------------------------
     def clone_batch(self, template: str, count: int = 1, name_prefix: str | None = None,
@@ -149,6 +153,7 @@ class Lifecycle:
                     reg.sched[n] = SchedState(pol, grace_s=float(grace_s))
                     slot.to(State.RUNNING)
                     rec.state = State.RUNNING.value
+                    self.on_vcpus_continued(n)      # its clock is the template's, saved long ago
                     self.publish(n, "created", f"{mode} clone of {template}", template=template, ram_mode=mode,
                                  policy=pol.name, duration_s=round(time.perf_counter() - t0, 6))
                     return rec
@@ -358,6 +363,7 @@ class Lifecycle:
         if state is State.RUNNING:
             if dom.state() == "paused":
                 dom.resume()
+                self.on_vcpus_continued(name)
             out["resume_s"] = time.perf_counter() - t0
             return out
         slot.to(State.RESUMING)
@@ -368,6 +374,7 @@ class Lifecycle:
                 crash_point("after-prefetch")
             if dom.state() == "paused":
                 dom.resume()
+                self.on_vcpus_continued(name)
             crash_point("after-vcpu-resume")
         except (StoreError, RestoreError) as exc:
             if isinstance(exc, (StoreError, PageUnavailable)):
@@ -477,5 +484,6 @@ class Lifecycle:
             except AzqemuError as exc:
                 slot.fail(f"vCPUs could not be continued after a compression ended early: {exc}")
                 return
+            self.on_vcpus_continued(slot.name)
         slot.to(before)
 

@@ -12,6 +12,7 @@ arguments arrive as JSON values) and delegates to the service that owns its conc
                              policies, the in-guest agent's reports
     eventlog.EventLog        the events of sandboxes, libvirt's and azqemu's own (``azq events``);
                              each service gets only its ``publish``
+    guestclock.GuestClock    the host's wall clock to a guest whose vCPUs azqemu continued
 
 The scheduler (``sched.scheduler``) sees only ``SchedService``, through ``SchedActions``.
 """
@@ -31,6 +32,7 @@ from azqemu.agent import OutputSink
 from azqemu.daemon.accounting import Accounting
 from azqemu.daemon.domainmeta import MetadataWriter
 from azqemu.daemon.eventlog import EventLog
+from azqemu.daemon.guestclock import GuestClock
 from azqemu.daemon.lifecycle import EXEC_DEFAULT_TIMEOUT_S, Lifecycle
 from azqemu.daemon.memsvc import MemoryService
 from azqemu.daemon.reconcile import reconcile
@@ -74,6 +76,8 @@ class Manager:
         loops_below = os.environ.get("AZQ_COMPRESS_LOOPS_BELOW", "0") == "1"
         self.scheduler = Scheduler(self.schedsvc, run_loops_below=zstdlib.run_loops_below if loops_below else None)
         self.agent_links = AgentLinks(self.schedsvc.agent_sockets, self.schedsvc.on_agent_message)
+        self.guest_clock = GuestClock(self.agent_links.send)
+        self.lifecycle.on_vcpus_continued = self.guest_clock.sync
         self.watcher = DomainWatcher(self.registry, self.memory,  # domains stopped outside azqemu
                                      eventlog=self.events)
         # State in each domain's <metadata> for virsh and Nova-style tools (daemon/domainmeta.py);
@@ -217,7 +221,9 @@ class Manager:
         return [self.accounting.describe(r) for r in self.registry.sandboxes.list()]
 
     def op_dominfo(self, name: str) -> dict[str, Any]:
-        return self.accounting.dominfo(name)
+        """The accounting's view, and what the in-guest agent's channel counted (lines taken
+        and refused, clock steps; None while the manager is not connected to it)."""
+        return self.accounting.dominfo(name) | {"agent_channel": self.agent_links.stats(name)}
 
     def op_domstats(self, name: str) -> dict[str, Any]:
         return self.accounting.domstats(name)

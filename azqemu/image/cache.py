@@ -34,7 +34,7 @@ from azqemu.image.recipe import GUEST_AGENT_DIR, RECIPE_DIR, load_recipe, recipe
 log = logging.getLogger(__name__)
 
 # Bump when the builder (this package) changes what it produces: it is part of every cache key.
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2                 # 2: /etc/adjtime links into /run
 MANIFEST_MAGIC = "azqemu-guest-image"
 MANIFEST_VERSION = 1
 MANIFEST_NAME = "manifest.json"

@@ -150,6 +150,9 @@ def build_rootfs_tree(recipe: Recipe, recipe_dir: Path, agent_dir: Path, root: P
     overlay_files = copy_tree(recipe_dir / "rootfs", root, "")
     _relocate_readonly(root, recipe)
     _link(root, "etc/inittab", "/run/azq/inittab")      # written by azq-init at every boot
+    # hwclock -w (which qemu-ga's guest-set-time runs: libvirt's virDomainSetTime, `virsh
+    # domtime --time`) writes /etc/adjtime; the root is read-only, so it lives in /run.
+    _link(root, "etc/adjtime", "/run/azq/adjtime")
     _link(root, "etc/mtab", "../proc/self/mounts")
     if not _inside(root, "usr/sbin/init").exists():
         _link(root, "usr/sbin/init", "azq-init")

@@ -47,8 +47,9 @@ MAX_SEQ = 2**53            # JSON-safe integer bound
 MAX_PID = 4194304          # PID_MAX_LIMIT on 64-bit Linux
 MAX_T_S = 1e10             # ~300 years of guest monotonic time
 MAX_COUNT = 1_000_000
+MAX_SKEW_MS = 1e12         # a clock step the guest reports (~31 years either way)
 
-EVENTS = ("hello", "tool-start", "tool-end", "idle", "busy", "hint", "state")
+EVENTS = ("hello", "tool-start", "tool-end", "idle", "busy", "hint", "state", "clock")
 PHASES = ("tool", "wait")
 COMMON_FIELDS = {"v", "seq", "t", "event", "phase"}
 OPTIONAL_COMMON = {"dropped"}
@@ -61,6 +62,7 @@ SCHEMA: dict[str, tuple[frozenset[str], frozenset[str], tuple[str, ...]]] = {
     "busy": (frozenset({"tools"}), frozenset({"runnable"}), ("tool",)),
     "hint": (frozenset({"source"}), frozenset({"pid"}), PHASES),
     "state": (frozenset({"tools", "idle"}), frozenset(), PHASES),
+    "clock": (frozenset({"set", "skew_ms"}), frozenset(), PHASES),
 }
 SOURCES = {"tool-start": ("guest-exec", "hint"), "tool-end": ("guest-exec", "hint"),
            "hint": ("azq-phase",)}
@@ -85,6 +87,8 @@ class AgentMessage:
     idle_s: float | None = None
     runnable: int | None = None
     agent: str | None = None
+    set: bool | None = None          # clock: the guest stepped its clock to the host's
+    skew_ms: float | None = None     # clock: by how much (host minus guest, before the step)
     dropped: int = 0
 
 
@@ -100,6 +104,8 @@ class ChannelStats:
     seq_gaps: int = 0            # messages the guest says it sent that never arrived
     seq_resets: int = 0          # seq went backwards (reporter restarted)
     guest_dropped: int = 0       # messages the reporter itself dropped (host not connected)
+    clock_steps: int = 0         # clock commands the guest answered having set its clock
+    clock_skew_ms_last: float = 0.0   # the step of the last of them (host minus guest)
     last_reject: str = ""
 
     def as_dict(self) -> dict[str, Any]:
@@ -171,6 +177,13 @@ def _num(msg: dict[str, Any], key: str, hi: float) -> float:
     return float(v)
 
 
+def _signed(msg: dict[str, Any], key: str, bound: float) -> float:
+    v = msg[key]
+    if type(v) not in (int, float) or not math.isfinite(v) or not -bound <= v <= bound:
+        raise Reject(f"{key} must be a number in [-{bound:g}, {bound:g}]")
+    return float(v)
+
+
 def _str(msg: dict[str, Any], key: str, allowed: tuple[str, ...] | None = None) -> str:
     v = msg[key]
     if type(v) is not str or not 0 < len(v) <= MAX_STR_CHARS:
@@ -215,10 +228,13 @@ def validate(obj: Any, sandbox: str, received_s: float) -> AgentMessage:
         fields["runnable"] = _int(obj, "runnable", 0, MAX_COUNT)
     if "idle_s" in obj:
         fields["idle_s"] = _num(obj, "idle_s", MAX_T_S)
-    if "idle" in obj:
-        if type(obj["idle"]) is not bool:
-            raise Reject("idle must be a boolean")
-        fields["idle"] = obj["idle"]
+    for flag in ("idle", "set"):
+        if flag in obj:
+            if type(obj[flag]) is not bool:
+                raise Reject(f"{flag} must be a boolean")
+            fields[flag] = obj[flag]
+    if "skew_ms" in obj:
+        fields["skew_ms"] = _signed(obj, "skew_ms", MAX_SKEW_MS)
     if "agent" in obj:
         fields["agent"] = _str(obj, "agent")
     if "dropped" in obj:
@@ -329,6 +345,9 @@ class AgentChannel:
         self._track_seq(msg)
         self.stats.accepted += 1
         self.stats.guest_dropped += msg.dropped
+        if msg.event == "clock" and msg.set:
+            self.stats.clock_steps += 1
+            self.stats.clock_skew_ms_last = msg.skew_ms or 0.0
         return msg
 
     def _track_seq(self, msg: AgentMessage) -> None:
@@ -342,8 +361,10 @@ class AgentChannel:
         self._last_seq = msg.seq
 
 
-def encode_command(cmd: str) -> bytes:
-    """A host -> guest command line (the reporter understands ``state``)."""
-    if cmd not in ("state",):
-        raise ValueError(f"unknown agent command {cmd!r}")
-    return json.dumps({"cmd": cmd}, separators=(",", ":")).encode() + b"\n"
+def encode_command(cmd: str, **fields: int) -> bytes:
+    """A host -> guest command line: ``state``, or ``clock`` with ``realtime_ns`` (the host's
+    wall clock, to which the guest steps its own)."""
+    allowed = {"state": set(), "clock": {"realtime_ns"}}
+    if cmd not in allowed or set(fields) != allowed[cmd]:
+        raise ValueError(f"unknown agent command {cmd!r} with {sorted(fields)}")
+    return json.dumps({"cmd": cmd, **fields}, separators=(",", ":")).encode() + b"\n"

@@ -6,6 +6,10 @@ here connects to all of them, reads what the guests write, validates it with
 messages into phase observations of that same sandbox only. A channel whose byte budget is
 spent is not read (taken out of the selector) until its budget refills: backpressure on that
 guest alone, the others are read as before.
+
+``send`` writes a host command (the clock after a resume) to a sandbox's channel from any
+thread, connecting to it first if the reader has not yet (a clone's first tool call comes
+before the next rescan).
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ class AgentLinks:
         self._sel = selectors.DefaultSelector()
         self._conns: dict[str, tuple[socket.socket, AgentChannel]] = {}
         self._paused: dict[str, float] = {}   # sandbox -> monotonic time to read it again
+        # Held while connections are made or dropped, and while a command is written: send()
+        # runs on other threads than the reader's.
+        self._mu = threading.RLock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=os_named(self._run), name="azq-agent-links", daemon=True)
 
@@ -55,30 +62,56 @@ class AgentLinks:
         conn = self._conns.get(sandbox)
         return conn[1].stats.as_dict() if conn else None
 
+    def send(self, sandbox: str, line_of: Callable[[], bytes]) -> bool:
+        """Write ``line_of()`` (made at the moment of writing) to the sandbox's agent; False
+        when it has no channel (no socket, nobody listening) or the write did not go through
+        whole (a full socket buffer: a guest that does not read; the command is not retried)."""
+        with self._mu:
+            conn = self._conns.get(sandbox)
+            if conn is None:
+                path = self._sockets().get(sandbox)
+                conn = self._connect(sandbox, path) if path is not None else None
+            if conn is None:
+                return False
+            line = line_of()
+            try:
+                return conn[0].send(line) == len(line)
+            except OSError:
+                return False
+
     def _rescan(self) -> None:
         wanted = self._sockets()
-        for name in list(self._conns):
-            if name not in wanted:
-                self._drop(name)
-        for name, path in wanted.items():
-            if name in self._conns or not path.exists():
-                continue
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.setblocking(False)
-            try:
-                s.connect(str(path))
-            except OSError:
-                s.close()
-                continue
-            self._conns[name] = (s, AgentChannel(name))
-            self._sel.register(s, selectors.EVENT_READ, name)
+        with self._mu:
+            for name in list(self._conns):
+                if name not in wanted:
+                    self._drop(name)
+            for name, path in wanted.items():
+                if name not in self._conns:
+                    self._connect(name, path)
+
+    def _connect(self, name: str, path: Path) -> tuple[socket.socket, AgentChannel] | None:
+        if not path.exists():
+            return None
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.setblocking(False)
+        try:
+            s.connect(str(path))
+        except OSError:
+            s.close()
+            return None
+        conn = self._conns[name] = (s, AgentChannel(name))
+        self._sel.register(s, selectors.EVENT_READ, name)
+        return conn
 
     def _drop(self, name: str) -> None:
-        s, _ = self._conns.pop(name)
-        self._paused.pop(name, None)
+        with self._mu:
+            conn = self._conns.pop(name, None)
+            self._paused.pop(name, None)
+        if conn is None:
+            return
         with contextlib.suppress(KeyError, ValueError):
-            self._sel.unregister(s)
-        s.close()
+            self._sel.unregister(conn[0])
+        conn[0].close()
 
     def _pause(self, name: str, s: socket.socket, ch: AgentChannel) -> None:
         with contextlib.suppress(KeyError, ValueError):

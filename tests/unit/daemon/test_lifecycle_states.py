@@ -194,6 +194,27 @@ def test_clone_compress_exec_resume_destroy_in_order(life: Lifecycle, rreg: Reco
         life.compress("a-0")
 
 
+def test_the_guest_clock_is_sent_each_time_azqemu_continues_the_vcpus(life: Lifecycle, host: Any,
+                                                                      smem: SteppedMemory) -> None:
+    """A paused guest's clock stands still: after a clone, a resume (of a compression or of
+    the user's pause) and a compression that ended early the manager sends it the host's
+    (daemon/guestclock.py); a sandbox left running and trims send nothing."""
+    continued: list[str] = []
+    life.on_vcpus_continued = continued.append
+    life.clone_batch("base", names=["k-0"])
+    assert continued == ["k-0"]
+    life.resume("k-0")                          # running: nothing stood still
+    life.compress("k-0")
+    life.exec("k-0", ["true"])                  # the call's resume
+    life.pause("k-0")
+    life.resume("k-0")
+    assert continued == ["k-0"] * 3
+    smem.compress_error = StoreFull("/store", "no room for encoded pages")
+    with pytest.raises(StoreFull):
+        life.compress("k-0")                    # ended early: its vCPUs continue
+    assert continued == ["k-0"] * 4 and host.doms["k-0"].state() == "running"
+
+
 def test_store_full_leaves_the_sandbox_running_and_usable(life: Lifecycle, rreg: RecordingRegistry,
                                                           host: Any, smem: SteppedMemory) -> None:
     life.clone_batch("base", names=["f-0"])

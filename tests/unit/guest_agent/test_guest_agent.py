@@ -64,13 +64,18 @@ def test_valid_messages_of_every_event() -> None:
         line(seq=4, event="idle", phase="wait", tools=0, idle_s=0.6),
         line(seq=5, event="hint", phase="tool", source="azq-phase", pid=99, tools=...),
         line(seq=6, event="state", phase="wait", tools=0, idle=True),
+        line(seq=7, event="clock", phase="wait", tools=..., set=True, skew_ms=-12.5),
+        line(seq=8, event="clock", phase="tool", tools=..., set=True, skew_ms=3_600_000),
     ])
     msgs = ch.feed(data)
-    assert [m.event for m in msgs] == ["hello", "tool-start", "busy", "tool-end", "idle", "hint", "state"]
+    assert [m.event for m in msgs] == ["hello", "tool-start", "busy", "tool-end", "idle", "hint", "state",
+                                       "clock", "clock"]
     assert all(m.sandbox == "sb-1" for m in msgs)
     assert msgs[1].pid == 812 and msgs[1].comm == "python3" and msgs[1].source == "guest-exec"
     assert msgs[3].duration_s == 1.25 and msgs[3].phase == "wait"
-    assert ch.stats.accepted == 7 and ch.stats.seq_gaps == 0
+    assert msgs[7].set is True and msgs[7].skew_ms == -12.5
+    assert ch.stats.accepted == 9 and ch.stats.seq_gaps == 0
+    assert ch.stats.clock_steps == 2 and ch.stats.clock_skew_ms_last == 3_600_000
 
 
 def test_partial_lines_are_reassembled() -> None:
@@ -192,6 +197,10 @@ def test_bad_json_is_rejected(raw: bytes, counter: str) -> None:
      "phase must be one of tool"),
     ({"event": "state", "phase": "wait", "tools": 0, "idle": False}, "state: idle contradicts phase"),
     ({"event": "state", "phase": "wait", "tools": 0, "idle": 1}, "idle must be a boolean"),
+    ({"event": "clock", "tools": ..., "set": 1, "skew_ms": 0}, "set must be a boolean"),
+    ({"event": "clock", "tools": ..., "set": True, "skew_ms": 1e13}, "skew_ms must be a number"),
+    ({"event": "clock", "tools": ..., "set": True, "skew_ms": "5"}, "skew_ms must be a number"),
+    ({"event": "clock", "tools": ..., "set": True}, "missing field(s) skew_ms"),
 ])
 def test_schema_violations_are_rejected_with_reason(kw: dict, reason: str) -> None:
     ch = AgentChannel("sb")
@@ -233,8 +242,11 @@ def test_arbitrary_objects_never_raise(obj: dict) -> None:
 
 def test_encode_command() -> None:
     assert encode_command("state") == b'{"cmd":"state"}\n'
-    with pytest.raises(ValueError):
-        encode_command("rm -rf")
+    assert encode_command("clock", realtime_ns=1_800_000_000_123_456_789) == \
+        b'{"cmd":"clock","realtime_ns":1800000000123456789}\n'
+    for bad in (("rm -rf", {}), ("clock", {}), ("state", {"realtime_ns": 1})):
+        with pytest.raises(ValueError):
+            encode_command(bad[0], **bad[1])
 
 
 # ---------------------------------------------------------------------------------------
@@ -381,7 +393,8 @@ def running_agent(request, tmp_path: Path):
     mode = request.param
     if mode == "proc-events" and os.geteuid() != 0:
         pytest.skip("the process events connector needs CAP_NET_ADMIN")
-    extra = ["--no-proc-events"] if mode == "scan-only" else []
+    # --no-set-clock: this host's clock is not the reporter's to step (a guest's is).
+    extra = ["--no-set-clock"] + (["--no-proc-events"] if mode == "scan-only" else [])
     agent = subprocess.Popen([sys.executable, str(AGENT_DIR / "azq_guest_agent.py"), "--port", port,
                               "--hint-socket", str(sock), "--scope-pid", str(fake_ga.pid), *extra],
                              stderr=subprocess.PIPE, text=True)
@@ -449,6 +462,13 @@ def test_reporter_end_to_end(running_agent) -> None:
     os.write(master, encode_command("state"))
     state = until(lambda m: m["event"] == "state")[-1]
     assert state["tools"] == 0
+    # The host sends its wall clock (here 5 s ahead of ours): the reporter answers with the
+    # step it would make. A time no host has (year 1970) is ignored, not answered.
+    os.write(master, b'{"cmd":"clock","realtime_ns":5}\n')
+    os.write(master, encode_command("clock", realtime_ns=time.time_ns() + 5_000_000_000))
+    clocks = [m for m in until(lambda m: m["event"] == "clock") if m["event"] == "clock"]
+    assert len(clocks) == 1 and clocks[0]["set"] is False
+    assert 4_000 < clocks[0]["skew_ms"] <= 5_000
     # Every line the reporter wrote passes the host reader, in order.
     msgs = ch.feed(b"".join(json.dumps(m).encode() + b"\n" for m in seen))
     assert len(msgs) == len(seen), ch.stats

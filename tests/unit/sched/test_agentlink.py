@@ -70,3 +70,33 @@ def test_a_flooding_guest_is_read_at_its_budget_and_a_quiet_one_still_heard(tmp_
         links.stop()
         for s in servers.values():
             s.close()
+
+
+def test_send_connects_at_once_and_writes_the_line_made_then(tmp_path: Path) -> None:
+    """A command to a sandbox the reader has not connected to yet (a clone's first resume,
+    before the next rescan) connects first; the line is made when written; a sandbox with no
+    socket, or whose socket nobody listens on, gets False; its answer is read as any line."""
+    paths = {"a": tmp_path / "a.sock", "gone": tmp_path / "gone.sock"}
+    srv = _server(paths["a"])
+    got: list[tuple[str, str]] = []
+    links = AgentLinks(lambda: dict(paths), lambda name, msg: got.append((name, msg.event)))
+    made: list[int] = []
+    try:
+        assert links.send("a", lambda: made.append(1) or b'{"cmd":"state"}\n')   # reader not started
+        conn = srv.accept()[0]
+        conn.settimeout(5)
+        assert conn.recv(100) == b'{"cmd":"state"}\n' and made == [1]
+        assert not links.send("gone", lambda: b"x\n") and not links.send("nobody", lambda: b"x\n")
+        links.start()
+        answer = {"v": 1, "seq": 0, "t": 1.0, "event": "clock", "phase": "wait", "set": True, "skew_ms": 2.5}
+        conn.sendall(json.dumps(answer).encode() + b"\n")
+        deadline = time.monotonic() + 5
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert got == [("a", "clock")]
+        stats = links.stats("a")
+        assert stats is not None and stats["clock_steps"] == 1 and stats["clock_skew_ms_last"] == 2.5
+        conn.close()
+    finally:
+        links.stop()
+        srv.close()
