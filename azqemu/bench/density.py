@@ -361,15 +361,19 @@ def summarize(wl: Workload, sandboxes: int, runs: list[PolicyRun], template_byte
     return {"workload": wl.name, "sandboxes": sandboxes, "policies": policies, "template_bytes": template_bytes}
 
 
-# unittest's summary line carries the run's own duration ("Ran 12 tests in 0.413s"): the one
-# part of a tool's output that differs between policies by nature, not by a wrong page.
+# What differs between policies by nature, not by a wrong page: unittest's summary line carries
+# the run's own duration ("Ran 12 tests in 0.413s"), and `ls -l` the modification time of files
+# a call wrote ("Dec  6 09:53", or "Dec  6  2025" past six months), which is wall-clock time:
+# guests keep the host's clock (daemon/guestclock.py) and the policies run minutes apart.
 _UNITTEST_TIME = re.compile(rb"^(Ran \d+ tests? in )\d+(?:\.\d+)?s$", re.M)
+_LS_MTIME = re.compile(rb"(?<= )(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec) [ \d]\d (?:[ \d]\d:\d\d| \d{4})(?= )")
 
 
 def comparable_output(out: bytes) -> bytes:
-    """A step's output with the run-time figures tools print about themselves masked, so
-    that the policies' outputs can be compared byte for byte (outputs_identical)."""
-    return _UNITTEST_TIME.sub(rb"\1<t>s", out)
+    """A step's output with the run-time figures tools print about themselves, and the
+    wall-clock times of files, masked, so that the policies' outputs can be compared byte for
+    byte (outputs_identical)."""
+    return _LS_MTIME.sub(b"<mtime>", _UNITTEST_TIME.sub(rb"\1<t>s", out))
 
 
 def outputs_identical(result: dict[str, Any]) -> list[str]:

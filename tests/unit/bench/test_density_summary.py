@@ -107,3 +107,10 @@ def test_outputs_compare_without_the_run_time_tools_print() -> None:
     assert comparable_output(a) != comparable_output(a.replace(b"OK", b"FAILED (failures=1)"))
     assert comparable_output(a) != comparable_output(a.replace(b"Ran 12", b"Ran 11"))
     assert comparable_output(b"took 0.4s\n") == b"took 0.4s\n"
+    # ls -l's modification times are the wall clock's (guests keep the host's): masked, the
+    # rest of the line (mode, size, name) still compared.
+    ls_a = b"-rw-r--r-- 1 root root 1040 Dec  6 09:53 data.csv.gz\n-rw-r--r-- 1 root root 9 Dec  6  2025 old\n"
+    ls_b = b"-rw-r--r-- 1 root root 1040 Dec  6 10:01 data.csv.gz\n-rw-r--r-- 1 root root 9 Nov 30  2025 old\n"
+    assert comparable_output(ls_a) == comparable_output(ls_b)
+    assert comparable_output(ls_a) != comparable_output(ls_b.replace(b"1040", b"1041"))
+    assert comparable_output(b"see Dec  6 09:53\n") == b"see Dec  6 09:53\n"     # not an ls column
