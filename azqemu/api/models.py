@@ -285,6 +285,8 @@ class Event(Response):
     prefetched_bytes: int | None = Field(None, description="resume: the hot set copied back before the vCPUs")
     left_pages: int | None = Field(None, description="resume: pages predicted but left to first touch (the "
                                                      "call's kind runs long)")
+    present_pages: int | None = Field(None, description="resume beside a call: predicted pages the guest "
+                                                        "touched before the prefetch reached them (faulted)")
     reason: str | None = Field(None, description="failed, and a compress or resume that failed: why")
     state: str | None = Field(None, description="failed, destroyed: the state it was in")
     template: str | None = Field(None, description="created: of which template")

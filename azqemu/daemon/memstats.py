@@ -62,6 +62,7 @@ class TrimStats:
 @dataclass
 class ResumeStats:
     prefetched_pages: int = 0
+    present_pages: int = 0     # predicted, but the guest touched them first (beside a call): faulted
     left_pages: int = 0        # predicted but left to first touch: the call runs long (callkinds.prefetch_pays)
     prefetch_s: float = 0.0
     prefetch_mib_s: float = 0.0

@@ -405,28 +405,34 @@ class MemoryService:
             return {}
         return {"prefetched_pages": st.prefetched_pages, "prefetch_s": st.prefetch_s, "resume_s": st.total_s}
 
-    def prefetch(self, name: str, *, hot: bool, call: int | None = None) -> dict[str, Any]:
+    def prefetch(self, name: str, *, hot: bool, call: int | None = None, part: str = "all") -> dict[str, Any]:
         """A compressed sandbox's hot set back (before its vCPUs continue), for a tool call of
-        kind ``call`` if one resumes it; {} when it is not compressed."""
+        kind ``call`` if one resumes it; {} when it is not compressed. ``part``: "early" and
+        "rest" split it around the vCPUs' continue (SandboxMemory.prefetch); the rest's event
+        counts both."""
         mem = self.mem.get(name)
         if mem is None or not mem.compressed:
             return {}
         t0 = time.perf_counter()
         try:
-            st = mem.prefetch(hot=hot, call=call)
+            st = mem.prefetch(hot=hot, call=call, part=part)
         except BaseException as exc:
             self.publish(name, "resume", "failed", reason=f"{type(exc).__name__}: {exc}",
                          duration_s=round(time.perf_counter() - t0, 6))
             raise
+        if part == "early":
+            return {"prefetched_pages": st.prefetched_pages, "prefetch_s": st.prefetch_s}
         durations.RESTORE_SECONDS.observe(st.total_s)
         # Its vCPUs continue next (the lifecycle's part): libvirt's own "resumed" event.
         self.publish(name, "resume", "done", duration_s=round(st.total_s, 6), prefetched_pages=st.prefetched_pages,
-                     prefetched_bytes=st.prefetched_pages * PAGE_SIZE, left_pages=st.left_pages)
+                     prefetched_bytes=st.prefetched_pages * PAGE_SIZE, left_pages=st.left_pages,
+                     present_pages=st.present_pages)
         self.restore_count[name] = self.restore_count.get(name, 0) + 1
         return {"prefetched_pages": st.prefetched_pages, "prefetch_s": st.prefetch_s,
                 "prefetch_mib_s": st.prefetch_mib_s}
 
-    def prefetch_beside(self, name: str, *, hot: bool, call: int | None = None) -> Future[dict[str, Any]]:
+    def prefetch_beside(self, name: str, *, hot: bool, call: int | None = None,
+                        part: str = "all") -> Future[dict[str, Any]]:
         """``prefetch`` in a helper thread, for a sandbox whose vCPUs run already (a tool call's
         resume): a page the guest touches first is served by its fault and skipped here. A
         page the store cannot produce fails the sandbox, as before its vCPUs would have
@@ -434,7 +440,7 @@ class MemoryService:
         what is left."""
         def run() -> dict[str, Any]:
             try:
-                out = self.prefetch(name, hot=hot, call=call)
+                out = self.prefetch(name, hot=hot, call=call, part=part)
             except (StoreError, PageUnavailable) as exc:
                 if self.on_failed is not None:
                     self.on_failed(name, unrestorable_reason(exc))

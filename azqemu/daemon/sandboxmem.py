@@ -160,6 +160,9 @@ class SandboxMemory:
         self.hot_idx = np.empty(0, dtype=np.int64)
         self._prefetched_idx = np.empty(0, dtype=np.int64)
         self.calls = CallKinds(pages)      # the hot set per kind of tool call
+        # A resume beside a call (prefetch parts): what its early part placed, and how long it took.
+        self._early_placed = np.empty(0, dtype=np.int64)
+        self._early_s = 0.0
         self._history = CopyHistory()    # written copies the last trim saw (coldrule.py)
         self._resumed_at = 0.0                              # monotonic s of the last prefetch
         self.cold = ColdRule()
@@ -552,9 +555,15 @@ class SandboxMemory:
                 + map_from_file(self.handle.uffd, self.block, zero, zero=True))
 
     # -- resume ---------------------------------------------------------------------------
-    def prefetch(self, *, hot: bool = True, call: int | None = None) -> ResumeStats:
+    def prefetch(self, *, hot: bool = True, call: int | None = None, part: str = "all") -> ResumeStats:
         """Put back the pages the last call of kind ``call`` used (calls.note), else the last
-        phase's; running: those of them trims dropped. None for a long call (prefetch_pays)."""
+        phase's; running: those of them trims dropped. None for a long call (prefetch_pays).
+
+        ``part`` splits a compressed sandbox's resume beside a call (Lifecycle.resume_locked):
+        "early" places only the pages the guest touched first last time (CallKinds.early), its
+        vCPUs still paused, and leaves it compressed; "rest", with the vCPUs running, places the
+        others and notes which the guest touched before the prefetch got there. "all": every
+        page before the vCPUs continue (nothing races it)."""
         st, t0 = ResumeStats(), time.perf_counter()
         with self._lock:
             predicted = self.calls.predict(call)
@@ -566,6 +575,11 @@ class SandboxMemory:
                 want = setdiff_idx(intersect_idx(want, self.store.stored_pages(self.name)), self.scan.index())
             if len(want) and not prefetch_pays(len(want), self.calls.call_s(call)):
                 st.left_pages, want = len(want), want[:0]     # a long call: first touch serves them
+            early = self._early_placed
+            if part == "early":
+                want = self.calls.early(want) if self.compressed else want[:0]
+            elif part == "rest" and len(early):
+                want = setdiff_idx(want, early)
             if len(want):    # a page the guest faulted in meanwhile is skipped (EEXIST)
                 if not self.compressed:
                     self.cold.note_back(want)
@@ -573,11 +587,23 @@ class SandboxMemory:
                     r = pf.prefetch(self.block, want, self.sources)
                 self._prefetched_idx = union_idx(self._prefetched_idx, want)
                 st.prefetched_pages, st.prefetch_s, st.prefetch_mib_s = r.pages_copied, r.elapsed_s, r.mib_s
+                st.present_pages = r.pages_present
                 st.decode_s, st.copy_s = r.decode_s, r.copy_s
+                if part == "rest" and self.compressed:
+                    self.calls.note_early(early, r.present_idx)
+            st.total_s = time.perf_counter() - t0
+            if part == "early":
+                self._early_placed, self._early_s = want, st.total_s
+                self.restore_s_total += st.total_s
+                return st
+            self.restore_s_total += st.total_s
+            if part == "rest":
+                # One resume, as its event and the bench count it: the early part's pages and time included.
+                st.prefetched_pages += len(early)
+                st.total_s += self._early_s
+                self._early_placed, self._early_s = want[:0], 0.0
             self._resumed_at = time.monotonic() if self.compressed or len(want) else self._resumed_at
             self.compressed = False
-            st.total_s = time.perf_counter() - t0
-            self.restore_s_total += st.total_s
             self.last_resume = st
             return st
 

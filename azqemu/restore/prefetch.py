@@ -24,7 +24,7 @@ import mmap
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -60,6 +60,9 @@ class PrefetchResult:
     copy_s: float
     elapsed_s: float
     page_size: int = 4096
+    # The pages found present (indices from the block start): beside a running guest, those it
+    # touched before the prefetch got to them (each was a fault): callkinds.CallKinds.early.
+    present_idx: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
 
     @property
     def bytes_copied(self) -> int:
@@ -168,6 +171,7 @@ class Prefetcher:
         copy_req = abi.UFFDIO_COPY
         decode_s = copy_s = 0.0
         copied = present = calls = runs = 0
+        present_at: list[int] = []                 # host addresses of the pages found present
         chunks = [idx[c0:c0 + chunk_pages] for c0 in range(0, len(idx), chunk_pages)]
         slot_bytes = chunk_pages * ps
 
@@ -221,7 +225,7 @@ class Prefetcher:
                             dst += got
                             src += got
                             length -= got
-                    c, p, kk = self._copy(dst, src, length, ps, max_copy)
+                    c, p, kk = self._copy(dst, src, length, ps, max_copy, present_at)
                     copied += c
                     present += p
                     calls += kk
@@ -232,12 +236,15 @@ class Prefetcher:
                     pending.exception()
                 raise
             copy_s += time.perf_counter() - t1
+        present_idx = (np.asarray(present_at, dtype=np.int64) - block.hva) // ps
         return PrefetchResult(len(idx), copied, present, runs, calls, decode_s, copy_s,
-                              time.perf_counter() - t_start, ps)
+                              time.perf_counter() - t_start, ps, present_idx)
 
-    def _copy(self, dst: int, src: int, length: int, ps: int, max_copy: int) -> tuple[int, int, int]:
+    def _copy(self, dst: int, src: int, length: int, ps: int, max_copy: int,
+              present_at: list[int]) -> tuple[int, int, int]:
         """UFFDIO_COPY [dst, dst+length) from src in pieces of at most max_copy bytes,
-        skipping present pages; returns (pages copied, pages present, ioctls)."""
+        skipping present pages (their addresses appended to ``present_at``); returns (pages
+        copied, pages present, ioctls)."""
         q, field, arg, uffd = self._q, self._copied_field, self._arg, self._uffd
         done = copied = present = calls = eagain = 0
         while done < length:
@@ -260,6 +267,7 @@ class Prefetcher:
                     # Present already (faulted back, or never punched): leave it alone.
                     # Its waiters, if any, were woken by whoever placed it.
                     present += 1
+                    present_at.append(dst + done)
                     done += ps
                     continue
                 if err.errno == errno.EAGAIN and eagain < EAGAIN_LIMIT:

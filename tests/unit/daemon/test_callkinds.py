@@ -12,6 +12,7 @@ import pytest
 from azqemu.bench import workload
 from azqemu.daemon.callkinds import (
     FAULT_STALL_S,
+    MAX_EARLY_PAGES,
     MAX_WORDS,
     PREFETCH_SKIP_MIN_S,
     PREFETCH_SKIP_SHARE,
@@ -188,3 +189,18 @@ def test_a_kind_that_runs_long_gets_no_prefetch() -> None:
     at = pages * FAULT_STALL_S / PREFETCH_SKIP_SHARE
     assert at > PREFETCH_SKIP_MIN_S
     assert prefetch_pays(pages, 0.99 * at) and not prefetch_pays(pages, 1.01 * at)
+
+
+def test_pages_a_guest_touched_before_the_prefetch_go_first_next_time() -> None:
+    """The early set: what the last resume beside a call placed first, and what the guest
+    touched before the prefetch got there; only pages of the coming prediction; bounded."""
+    calls = CallKinds(pages=100_000)
+    want = np.arange(0, 10_000, dtype=np.int64)
+    assert len(calls.early(want)) == 0
+    calls.note_early(np.empty(0, np.int64), np.array([70, 5, 9_000, 20_000]))
+    assert list(calls.early(want)) == [5, 70, 9_000]          # 20,000 is not predicted now
+    calls.note_early(np.array([5, 70]), np.array([42]))          # placed early, and a new loser
+    assert list(calls.early(want)) == [5, 42, 70]
+    many = np.arange(50_000, 50_000 + MAX_EARLY_PAGES + 10)
+    calls.note_early(np.arange(MAX_EARLY_PAGES), many)           # past the bound: the newest losers
+    assert list(calls.early(many)) == list(many[:MAX_EARLY_PAGES])

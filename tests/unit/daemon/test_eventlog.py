@@ -186,7 +186,7 @@ class _FakeMem:
             raise self.fail
         return CompressStats(resident_pages=100, stored_pages=60, total_s=0.25)
 
-    def prefetch(self, *, hot: bool, call: int | None = None) -> ResumeStats:
+    def prefetch(self, *, hot: bool, call: int | None = None, part: str = "all") -> ResumeStats:
         if self.fail is not None:
             raise self.fail
         st = ResumeStats()

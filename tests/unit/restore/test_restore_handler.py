@@ -318,9 +318,11 @@ def test_prefetch_runs_and_partial_copies(ram: Ram) -> None:
     with Prefetcher(ram.handle.uffd, chunk_bytes=8 * PS) as p:  # tiny chunks: many pieces
         res = p.prefetch(ram.block, [0, 1, 2, 3, 4, 5, 100, 101, 255, 2, 1], src)
         assert (res.pages_requested, res.pages_copied, res.pages_present, res.runs) == (9, 7, 2, 3)
+        assert list(res.present_idx) == [3, 100]       # which ones: a guest touched them first
         assert res.bytes_copied == 7 * PS
         res2 = p.prefetch(ram.block, range(PAGES), src)
         assert res2.pages_copied == PAGES - 9 and res2.pages_present == 9
+        assert sorted(res2.present_idx) == [0, 1, 2, 3, 4, 5, 100, 101, 255]
     for i in range(PAGES):
         assert ram.read(i) == pattern(i), i
 
