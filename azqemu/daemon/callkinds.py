@@ -48,7 +48,7 @@ from pathlib import PurePosixPath
 import numpy as np
 import xxhash
 
-from azqemu.pages import in_sorted, intersect_idx, union_idx, unique_idx
+from azqemu.pages import in_sorted, intersect_idx, setdiff_idx, union_idx, unique_idx
 
 SAME_KIND_JACCARD = 0.6
 MAX_KINDS = 8                 # per sandbox, least recently used first out
@@ -304,3 +304,33 @@ class CallKinds:
         self._next_id += 1
         self._kinds[kid] = kind
         return kid
+
+
+class SplitResume:
+    """One resume beside a call in two parts (SandboxMemory.prefetch's ``part``): "early"
+    places the pages ``CallKinds.early`` names, the vCPUs still paused; "rest" the others, the
+    vCPUs running, and tells the kinds which pages the guest touched before it got there."""
+
+    def __init__(self, calls: CallKinds) -> None:
+        self.calls = calls
+        self.placed = np.empty(0, dtype=np.int64)   # by the early part
+        self.seconds = 0.0                          # the early part's time
+
+    def pages(self, part: str, want: np.ndarray, compressed: bool) -> np.ndarray:
+        """Of the predicted ``want`` (sorted), those this part places."""
+        if part == "early":
+            return self.calls.early(want) if compressed else want[:0]
+        return setdiff_idx(want, self.placed) if part == "rest" and len(self.placed) else want
+
+    def early_done(self, placed: np.ndarray, seconds: float) -> None:
+        self.placed, self.seconds = placed, seconds
+
+    def rest_done(self, present: np.ndarray | None) -> tuple[int, float]:
+        """The rest placed (``present``: what its prefetch found present; None: it placed
+        nothing). Returns the early part's pages and seconds: one resume, as its event and the
+        bench count it."""
+        if present is not None:
+            self.calls.note_early(self.placed, present)
+        out = (len(self.placed), self.seconds)
+        self.placed, self.seconds = self.placed[:0], 0.0
+        return out

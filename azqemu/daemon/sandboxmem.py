@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from azqemu.daemon.callkinds import CallKinds, prefetch_pays
+from azqemu.daemon.callkinds import CallKinds, SplitResume, prefetch_pays
 from azqemu.daemon.coldrule import ColdRule, CopyHistory
 from azqemu.daemon.cpubudget import CpuBudget
 from azqemu.daemon.memstats import CompressCancelled, CompressStats, ResumeStats, TrimStats, memory_stats
@@ -55,15 +55,7 @@ from azqemu.memory.pagehash import page_hashes
 from azqemu.memory.persist import StoreFull
 from azqemu.memory.store import PageStore
 from azqemu.memory.template import TemplateImage
-from azqemu.pages import (
-    PAGE_SIZE,
-    Scratch,
-    in_sorted,
-    intersect_idx,
-    page_runs,
-    setdiff_idx,
-    union_idx,
-)
+from azqemu.pages import PAGE_SIZE, Scratch, in_sorted, intersect_idx, page_runs, setdiff_idx, union_idx
 from azqemu.restore.export import UffdExport, UffdHandle
 from azqemu.restore.handler import FaultHandler
 from azqemu.restore.mapback import map_from_file, untouched_in_page_tables
@@ -160,9 +152,7 @@ class SandboxMemory:
         self.hot_idx = np.empty(0, dtype=np.int64)
         self._prefetched_idx = np.empty(0, dtype=np.int64)
         self.calls = CallKinds(pages)      # the hot set per kind of tool call
-        # A resume beside a call (prefetch parts): what its early part placed, and how long it took.
-        self._early_placed = np.empty(0, dtype=np.int64)
-        self._early_s = 0.0
+        self._split = SplitResume(self.calls)   # a resume beside a call, in two parts
         self._history = CopyHistory()    # written copies the last trim saw (coldrule.py)
         self._resumed_at = 0.0                              # monotonic s of the last prefetch
         self.cold = ColdRule()
@@ -559,11 +549,8 @@ class SandboxMemory:
         """Put back the pages the last call of kind ``call`` used (calls.note), else the last
         phase's; running: those of them trims dropped. None for a long call (prefetch_pays).
 
-        ``part`` splits a compressed sandbox's resume beside a call (Lifecycle.resume_locked):
-        "early" places only the pages the guest touched first last time (CallKinds.early), its
-        vCPUs still paused, and leaves it compressed; "rest", with the vCPUs running, places the
-        others and notes which the guest touched before the prefetch got there. "all": every
-        page before the vCPUs continue (nothing races it)."""
+        ``part``: "early" then "rest" split a resume beside a call around the vCPUs' continue
+        (callkinds.SplitResume; "early" leaves it compressed); "all" places every page first."""
         st, t0 = ResumeStats(), time.perf_counter()
         with self._lock:
             predicted = self.calls.predict(call)
@@ -575,11 +562,7 @@ class SandboxMemory:
                 want = setdiff_idx(intersect_idx(want, self.store.stored_pages(self.name)), self.scan.index())
             if len(want) and not prefetch_pays(len(want), self.calls.call_s(call)):
                 st.left_pages, want = len(want), want[:0]     # a long call: first touch serves them
-            early = self._early_placed
-            if part == "early":
-                want = self.calls.early(want) if self.compressed else want[:0]
-            elif part == "rest" and len(early):
-                want = setdiff_idx(want, early)
+            want, present = self._split.pages(part, want, self.compressed), None
             if len(want):    # a page the guest faulted in meanwhile is skipped (EEXIST)
                 if not self.compressed:
                     self.cold.note_back(want)
@@ -588,20 +571,15 @@ class SandboxMemory:
                 self._prefetched_idx = union_idx(self._prefetched_idx, want)
                 st.prefetched_pages, st.prefetch_s, st.prefetch_mib_s = r.pages_copied, r.elapsed_s, r.mib_s
                 st.present_pages = r.pages_present
-                st.decode_s, st.copy_s = r.decode_s, r.copy_s
-                if part == "rest" and self.compressed:
-                    self.calls.note_early(early, r.present_idx)
+                st.decode_s, st.copy_s, present = r.decode_s, r.copy_s, r.present_idx
             st.total_s = time.perf_counter() - t0
-            if part == "early":
-                self._early_placed, self._early_s = want, st.total_s
-                self.restore_s_total += st.total_s
-                return st
             self.restore_s_total += st.total_s
-            if part == "rest":
-                # One resume, as its event and the bench count it: the early part's pages and time included.
-                st.prefetched_pages += len(early)
-                st.total_s += self._early_s
-                self._early_placed, self._early_s = want[:0], 0.0
+            if part == "early":
+                self._split.early_done(want, st.total_s)
+                return st
+            if part == "rest" and self.compressed:
+                pages, seconds = self._split.rest_done(present)
+                st.prefetched_pages, st.total_s = st.prefetched_pages + pages, st.total_s + seconds
             self._resumed_at = time.monotonic() if self.compressed or len(want) else self._resumed_at
             self.compressed = False
             self.last_resume = st

@@ -18,6 +18,7 @@ from azqemu.daemon.callkinds import (
     PREFETCH_SKIP_SHARE,
     CallKinds,
     KindBook,
+    SplitResume,
     command_words,
     jaccard,
     prefetch_pays,
@@ -204,3 +205,19 @@ def test_pages_a_guest_touched_before_the_prefetch_go_first_next_time() -> None:
     many = np.arange(50_000, 50_000 + MAX_EARLY_PAGES + 10)
     calls.note_early(np.arange(MAX_EARLY_PAGES), many)           # past the bound: the newest losers
     assert list(calls.early(many)) == list(many[:MAX_EARLY_PAGES])
+
+
+def test_a_split_resume_places_the_early_pages_then_the_rest_and_learns() -> None:
+    calls = CallKinds(pages=1_000)
+    calls.note_early(np.empty(0, np.int64), np.array([3, 7]))
+    split = SplitResume(calls)
+    want = np.arange(10, dtype=np.int64)
+    assert list(split.pages("all", want, compressed=True)) == list(range(10))
+    assert list(split.pages("early", want, compressed=False)) == []      # running: nothing races
+    early = split.pages("early", want, compressed=True)
+    assert list(early) == [3, 7]
+    split.early_done(early, 0.002)
+    assert list(split.pages("rest", want, compressed=True)) == [0, 1, 2, 4, 5, 6, 8, 9]
+    assert split.rest_done(np.array([0, 1])) == (2, 0.002)       # one resume: both parts counted
+    assert list(calls.early(want)) == [0, 1, 3, 7]                 # the new losers go first next time
+    assert list(split.pages("rest", want, compressed=True)) == list(range(10))   # reset
