@@ -170,17 +170,10 @@ def _int(msg: dict[str, Any], key: str, lo: int, hi: int) -> int:
     return v
 
 
-def _num(msg: dict[str, Any], key: str, hi: float) -> float:
+def _num(msg: dict[str, Any], key: str, hi: float, lo: float = 0.0) -> float:
     v = msg[key]
-    if type(v) not in (int, float) or not math.isfinite(v) or not 0 <= v <= hi:
-        raise Reject(f"{key} must be a number in [0, {hi:g}]")
-    return float(v)
-
-
-def _signed(msg: dict[str, Any], key: str, bound: float) -> float:
-    v = msg[key]
-    if type(v) not in (int, float) or not math.isfinite(v) or not -bound <= v <= bound:
-        raise Reject(f"{key} must be a number in [-{bound:g}, {bound:g}]")
+    if type(v) not in (int, float) or not math.isfinite(v) or not lo <= v <= hi:
+        raise Reject(f"{key} must be a number in [{lo:g}, {hi:g}]")
     return float(v)
 
 
@@ -234,7 +227,7 @@ def validate(obj: Any, sandbox: str, received_s: float) -> AgentMessage:
                 raise Reject(f"{flag} must be a boolean")
             fields[flag] = obj[flag]
     if "skew_ms" in obj:
-        fields["skew_ms"] = _signed(obj, "skew_ms", MAX_SKEW_MS)
+        fields["skew_ms"] = _num(obj, "skew_ms", MAX_SKEW_MS, lo=-MAX_SKEW_MS)
     if "agent" in obj:
         fields["agent"] = _str(obj, "agent")
     if "dropped" in obj:
