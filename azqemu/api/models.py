@@ -14,9 +14,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# The grace is the scheduler's own default (sched/policy.py says why), re-exported for clients.
+from azqemu.sched.policy import DEFAULT_GRACE_S as DEFAULT_GRACE_S
+
 # The values of ``requests`` are the daemon's: these defaults mirror the manager's ``op_*``.
 DEFAULT_EXEC_TIMEOUT_S = 300.0
-DEFAULT_GRACE_S = 1.0
 
 
 class Request(BaseModel):

@@ -41,6 +41,7 @@ import numpy as np
 from azqemu.bench import density
 from azqemu.bench.workload import Workload, plan_to_json
 from azqemu.errors import AzqemuError, ConfigError
+from azqemu.sched import policy as policy_mod
 from azqemu.units import MIB
 
 log = logging.getLogger(__name__)
@@ -121,7 +122,7 @@ class Options:
     sandboxes: int
     scale: str = "full"
     seed: int = 0
-    grace_s: float = 1.0
+    grace_s: float = policy_mod.DEFAULT_GRACE_S
     policies: tuple[str, ...] = NIGHTLY_POLICIES
     clones: int | None = DEFAULT_CLONES          # None: clone benchmark skipped
     clone_mode: str = "auto"

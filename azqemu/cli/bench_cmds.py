@@ -7,6 +7,7 @@ import time
 
 import click
 
+from azqemu.api.models import DEFAULT_GRACE_S
 from azqemu.cli.output import emit, json_option
 from azqemu.client import Client
 from azqemu.daemon.proc import ensure_daemon
@@ -122,7 +123,7 @@ def _progress(msg: str) -> None:
               help="Policy to run (repeatable; default: none, none-cow, linux, agentzip).")
 @click.option("--scale", default="full", show_default=True, help="Workload scale: full or small.")
 @click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--grace", "grace_s", default=1.0, show_default=True, type=float,
+@click.option("--grace", "grace_s", default=DEFAULT_GRACE_S, show_default=True, type=float,
               help="Seconds of LLM wait before a policy compresses or reclaims.")
 @click.option("--rounds", "round_count", default=1, show_default=True, type=click.IntRange(1, 20),
               help="Run every policy this many times, the order reversed every other round (A-B-B-A): "
@@ -166,7 +167,7 @@ def bench_density(workload_name: str, sandboxes: int, policies: tuple[str, ...],
               help="Memory budget: bytes, a size (16G, 512M) or auto (MemAvailable at start).")
 @click.option("--scale", default="full", show_default=True, help="Workload scale: full or small.")
 @click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--grace", "grace_s", default=1.0, show_default=True, type=float,
+@click.option("--grace", "grace_s", default=DEFAULT_GRACE_S, show_default=True, type=float,
               help="Seconds of LLM wait before a policy compresses or reclaims.")
 @click.option("--out", "out_dir", default=None, help="Directory for JSON, markdown and the PNG plot.")
 @json_option
@@ -225,7 +226,7 @@ def bench_capacity(workload_name: str, fanouts: str, policies: tuple[str, ...], 
               help="Latency bound: the window's median tool call over the first window's.")
 @click.option("--scale", default="small", show_default=True, help="Workload scale: full or small.")
 @click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--grace", "grace_s", default=1.0, show_default=True, type=float)
+@click.option("--grace", "grace_s", default=DEFAULT_GRACE_S, show_default=True, type=float)
 @click.option("--capacity", "capacity_file", default=None,
               help="A capacity sweep's capacity.json: its fit's prediction for this budget, beside the fill.")
 @click.option("--out", "out_dir", default=None, help="Directory for fill.json and fill.md.")
@@ -272,7 +273,7 @@ def bench_fill(workload_name: str, policies: tuple[str, ...], budget: str, step:
 @click.option("--sandboxes", "-n", default=16, show_default=True, type=click.IntRange(min=1))
 @click.option("--scale", default="full", show_default=True, help="Workload scale: full or small.")
 @click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--grace", "grace_s", default=1.0, show_default=True, type=float,
+@click.option("--grace", "grace_s", default=DEFAULT_GRACE_S, show_default=True, type=float,
               help="Seconds of LLM wait before a policy compresses or reclaims.")
 @click.option("--policy", "policies", multiple=True,
               help="Policy to run (repeatable; default: none, none-cow, linux, agentzip, agentzip-no-prefetch).")

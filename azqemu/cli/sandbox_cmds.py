@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from azqemu.api.models import SandboxInfo
+from azqemu.api.models import DEFAULT_GRACE_S, SandboxInfo
 from azqemu.cli.output import emit, json_option
 from azqemu.client import Client
 from azqemu.errors import AgentTimeout, AzqemuError, DaemonError, DaemonUnavailable, ExecError
@@ -136,7 +136,7 @@ def job(job_id: str, wait_s: float, as_json: bool) -> None:
 @click.option("--policy", default="manual", show_default=True,
               help="Memory policy: manual, none, none-cow, linux, agentzip, agentzip-no-prefetch, "
                    "agentzip-no-sibling, agentzip-pressure (see docs/policies.md).")
-@click.option("--grace", "grace_s", default=1.0, show_default=True, type=float,
+@click.option("--grace", "grace_s", default=DEFAULT_GRACE_S, show_default=True, type=float,
               help="Seconds of LLM wait before the policy compresses or reclaims.")
 @click.option("--label", "labels", multiple=True, metavar="KEY=VALUE", help="A label on every clone (repeatable).")
 @click.option("--ttl", "ttl_s", type=float, default=None, help="Destroy the clones this many seconds from now.")

@@ -26,6 +26,7 @@ from azqemu.errors import AzqemuError, ConfigError, SandboxExists, SandboxNotFou
 from azqemu.host import procfs
 from azqemu.names import validate_name
 from azqemu.qmp import Monitor
+from azqemu.sched.policy import DEFAULT_GRACE_S
 from azqemu.virt import domxml, ramfile
 from azqemu.virt.host import Domain, Host
 from azqemu.virt.identity import (
@@ -56,7 +57,7 @@ class SandboxRecord:
     created_at: float
     clone_s: float = 0.0      # request -> guest agent answering
     policy: str = "manual"    # azqemu.sched.policy
-    grace_s: float = 1.0      # LLM wait before the policy acts
+    grace_s: float = DEFAULT_GRACE_S      # LLM wait before the policy acts
     state: str = "running"    # lifecycle state (azqemu/daemon/states.py), kept by the daemon
     failed_reason: str | None = None   # why it is ``failed``
     qemu_uid: int | None = None   # the uid its QEMU runs as (identity.allocate_qemu_ids)
@@ -137,7 +138,7 @@ def _send_devstate(devstate: Path, sock_path: Path, timeout_s: float) -> None:
 def clone_one(host: Host, tmpl: TemplateMeta, name: str, *, sharing_domain: str, ram_mode: str,
               fill: RamFiller, repo: SandboxRepo, env: dict[str, str] | None = None,
               ram_backing: str = "memfd", wait_agent: bool = True, policy: str = "manual",
-              grace_s: float = 1.0, ksm_merge: bool = False) -> SandboxRecord:
+              grace_s: float = DEFAULT_GRACE_S, ksm_merge: bool = False) -> SandboxRecord:
     """Start one clone of ``tmpl``; on any failure nothing of it is left behind."""
     validate_name(name, "sandbox name")
     validate_name(sharing_domain, "sharing domain")

@@ -8,6 +8,7 @@ import inspect
 from typing import Any
 
 from azqemu.daemon.manager import Manager
+from azqemu.sched import policy
 from azqemu.virt.identity import new_identity, vm_paths
 
 # op -> its arguments (name, default); the /v1 routes call them by these names (azqemu/api/app.py).
@@ -18,7 +19,7 @@ OPS: dict[str, list[tuple[str, Any]]] = {
     "template_delete": [("name", inspect.Parameter.empty)],
     "clone": [("template", inspect.Parameter.empty), ("count", 1), ("name_prefix", None),
               ("sharing_domain", "default"), ("names", None), ("ram_mode", None), ("policy", "manual"),
-              ("grace_s", 1.0)],
+              ("grace_s", policy.DEFAULT_GRACE_S)],
     "exec": [("name", inspect.Parameter.empty), ("argv", inspect.Parameter.empty), ("timeout_s", 300.0),
              ("stdin_b64", None), ("on_output", None), ("kind", None)],
     "phase": [("name", inspect.Parameter.empty), ("phase", inspect.Parameter.empty)],
