@@ -295,6 +295,7 @@ def validate(result: Any) -> None:
 
 def run_capacity(wl: Any, fanouts: list[int], policies: list[str], *, budget_bytes: int | None = None,
                  seed: int = 0, scale: str = "full", grace_s: float | None = None,
+                 grace_by_policy: dict[str, float] | None = None,
                  progress: Callable[[str], None] = lambda _m: None,
                  on_density: Callable[[int, dict[str, Any]], None] = lambda _n, _r: None,
                  runner: DensityRunner | None = None) -> dict[str, Any]:
@@ -310,6 +311,8 @@ def run_capacity(wl: Any, fanouts: list[int], policies: list[str], *, budget_byt
     kwargs: dict[str, Any] = {"seed": seed, "scale": scale, "progress": progress}
     if grace_s is not None:
         kwargs["grace_s"] = grace_s
+    if grace_by_policy:
+        kwargs["grace_by_policy"] = grace_by_policy
     results: dict[int, dict[str, Any]] = {}
     for n in sorted(set(fanouts)):
         progress(f"capacity: fan-out {n} ({', '.join(policies)})")

@@ -17,10 +17,11 @@ from __future__ import annotations
 import base64
 import hashlib
 import logging
+import math
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -211,7 +212,7 @@ def run_policy(c: Client, template: str, wl: Workload, plan: list[list[Step]], p
         at_start = _manager_memory(c)
         idle = manager_idle or at_start
         run.extra.update(manager_idle_rss_bytes=idle["rss_bytes"], manager_idle_anon_bytes=idle["anon_bytes"],
-                         manager_anon_at_start_bytes=at_start["anon_bytes"])
+                         manager_anon_at_start_bytes=at_start["anon_bytes"], grace_s=grace_s)
         if pol.linux_reclaim:
             from azqemu.host.linuxmm import LinuxConfig, wait_ksm_converged
 
@@ -392,25 +393,62 @@ def outputs_identical(result: dict[str, Any]) -> list[str]:
     return diffs
 
 
+def parse_policy_graces(values: Iterable[str], policies: list[str]) -> dict[str, float]:
+    """``POLICY=SECONDS`` items (``--policy-grace linux=1.0``) as a dict; a malformed item, an
+    unknown policy, a policy named twice or not among ``policies`` (the run's), or a grace that
+    is not a finite number >= 0 is a ``ConfigError`` naming the item."""
+    out: dict[str, float] = {}
+    for item in values:
+        name, eq, value = item.partition("=")
+        name = name.strip()
+        if not eq or not name:
+            raise ConfigError(f"policy grace {item!r}: expected POLICY=SECONDS (for example linux=1.0)")
+        policy_mod.get(name)
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = math.nan
+        if not math.isfinite(seconds) or seconds < 0:
+            raise ConfigError(f"policy grace {item!r}: the grace must be a number of seconds >= 0")
+        if name in out:
+            raise ConfigError(f"policy grace {item!r}: {name} is given a grace twice")
+        out[name] = seconds
+    _check_grace_policies(out, policies)
+    return out
+
+
+def _check_grace_policies(graces: Mapping[str, float], policies: list[str]) -> None:
+    stray = sorted(set(graces) - set(policies))
+    if stray:
+        raise ConfigError(f"a grace is given for {', '.join(stray)}, which this run does not run")
+
+
 def run_density(wl: Workload, sandboxes: int, policies: list[str], *, seed: int = 0, scale: str = "full",
-                grace_s: float = policy_mod.DEFAULT_GRACE_S, pressure_budget_bytes: int | None = None,
-                round_count: int = 1, progress: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
-    """Every policy ``round_count`` times, the order reversed every other round (rounds.py)."""
+                grace_s: float = policy_mod.DEFAULT_GRACE_S, grace_by_policy: Mapping[str, float] | None = None,
+                pressure_budget_bytes: int | None = None, round_count: int = 1,
+                progress: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
+    """Every policy ``round_count`` times, the order reversed every other round (rounds.py).
+    Each policy acts after ``grace_by_policy[policy]`` seconds of an LLM wait where given, else
+    ``grace_s``: a baseline tuned as its operator would tune it (linux's page-out lets KSM
+    merge first when it waits longer; agentzip holds less the sooner it compresses)."""
     for p in policies:
         policy_mod.get(p)
     if len(set(policies)) != len(policies):
         raise ConfigError("a policy is named twice")
     if round_count < 1:
         raise ConfigError(f"rounds must be at least 1, not {round_count}")
+    graces = dict(grace_by_policy or {})
+    _check_grace_policies(graces, policies)
     # SIGTERM and SIGHUP end the run like Ctrl-C: sandboxes destroyed, the host put back.
     with signals_raise():
-        return _run_density(wl, sandboxes, policies, seed=seed, scale=scale, grace_s=grace_s,
+        return _run_density(wl, sandboxes, policies, seed=seed, scale=scale,
+                            graces={p: graces.get(p, grace_s) for p in policies},
                             pressure_budget_bytes=pressure_budget_bytes, round_count=round_count,
                             progress=progress)
 
 
 def _run_density(wl: Workload, sandboxes: int, policies: list[str], *, seed: int, scale: str,
-                 grace_s: float, pressure_budget_bytes: int | None, round_count: int,
+                 graces: dict[str, float], pressure_budget_bytes: int | None, round_count: int,
                  progress: Callable[[str], None]) -> dict[str, Any]:
     c = Client()
     left = destroy_prefixed(c, BENCH_PREFIX)
@@ -430,7 +468,7 @@ def _run_density(wl: Workload, sandboxes: int, policies: list[str], *, seed: int
         for p in order:
             if round_count > 1:
                 progress(f"round {r + 1} of {round_count}: {p}")
-            runs[p] = run_policy(c, template, wl, plan, p, grace_s=grace_s, progress=progress,
+            runs[p] = run_policy(c, template, wl, plan, p, grace_s=graces[p], progress=progress,
                                  pressure_budget_bytes=pressure_budget_bytes, manager_idle=manager_idle)
             progress(f"[{p}] done: {runs[p].extra.get('run_s', 0):.0f} s")
         # Each round's result lists the policies in the order given, whatever order they ran in.

@@ -247,6 +247,10 @@ def markdown_table(result: dict[str, Any]) -> str:
              "over none-cow's. Manager anon: the manager's own memory above the idle manager.", QEMU_NOTE]
     if "template_bytes" in result:
         notes.append(f"Template RAM image, counted once: {_mib_cell(float(result['template_bytes']))} MiB.")
+    graces = {n: _get(p, "grace_s") for n, p in result["policies"].items()}
+    if any(v is not None for v in graces.values()):
+        notes.append("Grace (seconds of an LLM wait before the policy acts): "
+                     + ", ".join(f"{n} {v:g}" for n, v in graces.items() if v is not None) + ".")
     own = {n: _get(p, "qemu_own_bytes_avg") for n, p in result["policies"].items()}
     if any(v is not None for v in own.values()):
         vals = [v for v in own.values() if v is not None]

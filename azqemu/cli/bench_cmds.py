@@ -125,13 +125,17 @@ def _progress(msg: str) -> None:
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--grace", "grace_s", default=DEFAULT_GRACE_S, show_default=True, type=float,
               help="Seconds of LLM wait before a policy compresses or reclaims.")
+@click.option("--policy-grace", "policy_graces", multiple=True, metavar="POLICY=SECONDS",
+              help="This policy's grace instead of --grace (repeatable): each baseline as its operator "
+                   "would tune it, e.g. linux=1.0.")
 @click.option("--rounds", "round_count", default=1, show_default=True, type=click.IntRange(1, 20),
               help="Run every policy this many times, the order reversed every other round (A-B-B-A): "
                    "the figures are the rounds' means, and each figure's range over the rounds is printed.")
 @click.option("--out", "out_dir", default=None, help="Directory for JSON, markdown and PNG plots.")
 @json_option
 def bench_density(workload_name: str, sandboxes: int, policies: tuple[str, ...], scale: str, seed: int,
-                  grace_s: float, round_count: int, out_dir: str | None, as_json: bool) -> None:
+                  grace_s: float, policy_graces: tuple[str, ...], round_count: int, out_dir: str | None,
+                  as_json: bool) -> None:
     """Run one workload under each policy, side by side on this host, and compare memory and latency."""
     from pathlib import Path
 
@@ -140,9 +144,10 @@ def bench_density(workload_name: str, sandboxes: int, policies: tuple[str, ...],
 
     wl = load(workload_name)
     pols = list(policies) or list(density.DEFAULT_POLICIES)
+    graces = density.parse_policy_graces(policy_graces, pols)
     with ensure_daemon():
         result = density.run_density(wl, sandboxes, pols, seed=seed, scale=scale, grace_s=grace_s,
-                                     round_count=round_count, progress=_progress)
+                                     grace_by_policy=graces, round_count=round_count, progress=_progress)
     out = Path(out_dir or f"results/density-{time.strftime('%Y%m%d-%H%M%S')}")
     files = report.write_report(result, out)
     diffs = density.outputs_identical(result)
@@ -169,12 +174,16 @@ def bench_density(workload_name: str, sandboxes: int, policies: tuple[str, ...],
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--grace", "grace_s", default=DEFAULT_GRACE_S, show_default=True, type=float,
               help="Seconds of LLM wait before a policy compresses or reclaims.")
+@click.option("--policy-grace", "policy_graces", multiple=True, metavar="POLICY=SECONDS",
+              help="This policy's grace instead of --grace (repeatable): each baseline as its operator "
+                   "would tune it, e.g. linux=1.0.")
 @click.option("--out", "out_dir", default=None, help="Directory for JSON, markdown and the PNG plot.")
 @json_option
 @click.option("--from", "from_dir", default=None,
               help="Fit again from an earlier sweep's --out directory (its density-nN.json): run nothing.")
 def bench_capacity(workload_name: str, fanouts: str, policies: tuple[str, ...], budget: str, scale: str,
-                   seed: int, grace_s: float, out_dir: str | None, as_json: bool, from_dir: str | None) -> None:
+                   seed: int, grace_s: float, policy_graces: tuple[str, ...], out_dir: str | None, as_json: bool,
+                   from_dir: str | None) -> None:
     """Run the density benchmark at increasing fan-outs, fit host cost = fixed + marginal x N per
     policy, and say how many sandboxes fit in the budget (on host cost, and with QEMU's own memory)."""
     from pathlib import Path
@@ -186,6 +195,7 @@ def bench_capacity(workload_name: str, fanouts: str, policies: tuple[str, ...], 
     ns = capacity.parse_fanouts(fanouts)
     budget_bytes = capacity.parse_budget(budget)
     pols = list(policies) or list(density.DEFAULT_POLICIES)
+    graces = density.parse_policy_graces(policy_graces, pols)
     out = Path(out_dir or f"results/capacity-{time.strftime('%Y%m%d-%H%M%S')}")
 
     def keep(n: int, result: dict) -> None:
@@ -197,7 +207,8 @@ def bench_capacity(workload_name: str, fanouts: str, policies: tuple[str, ...], 
     else:
         with ensure_daemon():
             result = capacity.run_capacity(wl, ns, pols, budget_bytes=budget_bytes, seed=seed, scale=scale,
-                                           grace_s=grace_s, progress=_progress, on_density=keep)
+                                           grace_s=grace_s, grace_by_policy=graces, progress=_progress,
+                                           on_density=keep)
     files = capacity.write_report(result, out)
     if as_json:
         click.echo(capacity.to_json(result), nl=False)

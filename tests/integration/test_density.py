@@ -26,8 +26,11 @@ POLICIES = ["none", "none-cow", "linux", "agentzip", "agentzip-no-prefetch", "ag
 def test_every_policy_runs_and_guest_results_are_identical(daemon: object) -> None:
     before = HostSnapshot.take()
     wl = load(str(WORKLOAD))
-    result = density.run_density(wl, 2, POLICIES, grace_s=0.5)
+    # linux with its own grace (--policy-grace linux=1.0): the baseline tuned apart.
+    result = density.run_density(wl, 2, POLICIES, grace_s=0.5, grace_by_policy={"linux": 1.0})
     assert set(result["policies"]) == set(POLICIES)
+    assert {n: p["grace_s"] for n, p in result["policies"].items()} == {p: 1.0 if p == "linux" else 0.5
+                                                                       for p in POLICIES}
     plan = wl.plan(2, 0)
     for name, pol in result["policies"].items():
         assert len(pol["steps"]) == sum(len(p) for p in plan), name

@@ -74,6 +74,13 @@ def test_markdown_table() -> None:
     assert "a KVM QEMU's own memory is a few tens of MiB" in md and "on owned (no host cost" in md
 
 
+def test_markdown_names_each_policys_grace() -> None:
+    res = synthetic()
+    assert "Grace (" not in report.markdown_table(res)      # results from before the field
+    res["policies"]["linux"]["grace_s"], res["policies"]["azqemu"]["grace_s"] = 1.0, 0.25
+    assert "Grace (seconds of an LLM wait before the policy acts): linux 1, azqemu 0.25." in report.markdown_table(res)
+
+
 def test_markdown_notes_the_host_parts() -> None:
     res = synthetic()
     res["policies"]["azqemu"]["host_parts_bytes_avg"] = {"anon": 10 << 20, "page_tables": 3 << 20}

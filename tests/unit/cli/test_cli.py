@@ -111,3 +111,17 @@ def test_list_without_a_daemon_reads_the_records(tmp_path) -> None:
         assert r.stderr.strip().endswith("listing from the records and libvirt (no memory figures)")
     else:
         assert r.returncode == 1 and json.loads(r.stdout)["error"]["type"] == "DaemonUnavailable"
+
+
+@pytest.mark.parametrize(("cmd", "item", "message"), [
+    ("density", "linux", "azq: policy grace 'linux': expected POLICY=SECONDS (for example linux=1.0)"),
+    ("capacity", "none=1", "azq: a grace is given for none, which this run does not run"),
+])
+def test_a_bad_policy_grace_is_refused_before_any_daemon_starts(tmp_path, cmd: str, item: str, message: str) -> None:
+    import os
+
+    env = dict(os.environ, AZQ_RUN_DIR=str(tmp_path))
+    r = azq("bench", cmd, "--policy", "linux", "--policy", "agentzip", "--policy-grace", item, env=env)
+    assert r.returncode != 0
+    assert r.stderr.strip().splitlines() == [message]
+    assert not (tmp_path / "azqemu.sock").exists()       # no daemon was started for it
