@@ -429,8 +429,8 @@ def run_density(wl: Workload, sandboxes: int, policies: list[str], *, seed: int 
                 progress: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
     """Every policy ``round_count`` times, the order reversed every other round (rounds.py).
     Each policy acts after ``grace_by_policy[policy]`` seconds of an LLM wait where given, else
-    ``grace_s``: a baseline tuned as its operator would tune it (linux's page-out lets KSM
-    merge first when it waits longer; agentzip holds less the sooner it compresses)."""
+    ``grace_s``: a baseline tuned as its operator would tune it (linux owned less at 1.0 s than
+    at 0.25 s on coding-agent, agentzip far more: docs/figures.md, session 30)."""
     for p in policies:
         policy_mod.get(p)
     if len(set(policies)) != len(policies):

@@ -13,6 +13,11 @@ from azqemu.client import Client
 from azqemu.daemon.proc import ensure_daemon
 
 BENCH_TEMPLATE = "azq-bench"
+# One policy's own grace in a density run or sweep (density.parse_policy_graces reads them).
+policy_grace_option = click.option(
+    "--policy-grace", "policy_graces", multiple=True, metavar="POLICY=SECONDS",
+    help="This policy's grace instead of --grace (repeatable): each baseline as its operator would tune it, "
+         "e.g. linux=1.0.")
 
 
 @click.group()
@@ -125,9 +130,7 @@ def _progress(msg: str) -> None:
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--grace", "grace_s", default=DEFAULT_GRACE_S, show_default=True, type=float,
               help="Seconds of LLM wait before a policy compresses or reclaims.")
-@click.option("--policy-grace", "policy_graces", multiple=True, metavar="POLICY=SECONDS",
-              help="This policy's grace instead of --grace (repeatable): each baseline as its operator "
-                   "would tune it, e.g. linux=1.0.")
+@policy_grace_option
 @click.option("--rounds", "round_count", default=1, show_default=True, type=click.IntRange(1, 20),
               help="Run every policy this many times, the order reversed every other round (A-B-B-A): "
                    "the figures are the rounds' means, and each figure's range over the rounds is printed.")
@@ -174,9 +177,7 @@ def bench_density(workload_name: str, sandboxes: int, policies: tuple[str, ...],
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--grace", "grace_s", default=DEFAULT_GRACE_S, show_default=True, type=float,
               help="Seconds of LLM wait before a policy compresses or reclaims.")
-@click.option("--policy-grace", "policy_graces", multiple=True, metavar="POLICY=SECONDS",
-              help="This policy's grace instead of --grace (repeatable): each baseline as its operator "
-                   "would tune it, e.g. linux=1.0.")
+@policy_grace_option
 @click.option("--out", "out_dir", default=None, help="Directory for JSON, markdown and the PNG plot.")
 @json_option
 @click.option("--from", "from_dir", default=None,
