@@ -267,9 +267,22 @@ def run_policy(c: Client, template: str, wl: Workload, plan: list[list[Step]], p
     # the next policy's baseline is taken after this one's.
     return_s = hostmem.wait_back_to(baseline.used_bytes)
     after = hostmem.idle_baseline(duration_s=2.0)
+    counted = hostmem.counted_idle_bytes(baseline.used_bytes, after.used_bytes)
     run.extra.update(host_idle_used_bytes=baseline.used_bytes, host_idle_after_used_bytes=after.used_bytes,
-                     host_idle_drift_bytes=after.used_bytes - baseline.used_bytes, host_return_s=return_s)
+                     host_idle_drift_bytes=after.used_bytes - baseline.used_bytes, host_return_s=return_s,
+                     host_idle_counted_bytes=counted)
+    rebase_host_series(run.series, baseline.used_bytes - counted)
     return run
+
+
+def rebase_host_series(series: dict[str, list[float]], raise_bytes: int) -> None:
+    """Add ``raise_bytes`` to every sample of host memory above idle (``host_used_bytes``,
+    ``host_cost_bytes``): the series were sampled against the idle host before the run, and
+    the policy is counted against the lower idle figure (hostmem.counted_idle_bytes)."""
+    if raise_bytes:
+        for key in ("host_used_bytes", "host_cost_bytes"):
+            if key in series:
+                series[key] = [v + raise_bytes for v in series[key]]
 
 
 def compress_cpu_per_wait(c: Client, names: list[str]) -> dict[str, Any]:

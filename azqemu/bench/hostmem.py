@@ -97,6 +97,18 @@ def wait_back_to(used_bytes: int, timeout_s: float = RETURN_TIMEOUT_S, slack_byt
     return time.monotonic() - t0
 
 
+def counted_idle_bytes(before_bytes: int, after_bytes: int) -> int:
+    """The idle host a policy's run is counted against: the lower of the idle figures taken
+    before its sandboxes were made and after they were gone. A drop across the run is memory
+    the host was still freeing when the first figure was taken (not the policy's doing: the
+    teardown put swap, zram and KSM back, and ``wait_back_to`` waited); counting against the
+    higher figure gave that policy the drop as a saving (linux, first after a template build:
+    -60 MiB on long-tools, docs/figures.md session 31). A rise is memory that came during the
+    run and stayed: the policy's cost, so the figure before stands. Either way the policy's
+    host cost is the higher of the two readings."""
+    return min(before_bytes, after_bytes)
+
+
 def idle_baseline(duration_s: float = 3.0, interval_s: float = 0.25) -> Baseline:
     """Measure the host before any sandbox exists; subtract ``used_bytes`` from host_used.
     The window slides until it is steady (or SETTLE_TIMEOUT_S passed)."""

@@ -163,8 +163,9 @@ def idle_drift_note(result: dict[str, Any]) -> str:
     if not cells:
         return ""
     return ("The idle host after each policy minus before it (MiB; per round where there are rounds): a drop "
-            "means the baseline was taken while memory was still being freed, a rise that memory came and "
-            "stayed; either moved that policy's host cost the same way, by up to as much: " + "; ".join(cells) + ".")
+            "means the first figure held memory the host was still freeing, and the policy's host cost is "
+            "counted against the lower, later figure; a rise is memory that came and stayed, counted in the "
+            "policy's host cost: " + "; ".join(cells) + ".")
 
 
 def with_ratios(result: dict[str, Any]) -> dict[str, Any]:

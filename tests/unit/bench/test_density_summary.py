@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from azqemu.bench import report
-from azqemu.bench.density import PolicyRun, StepResult, summarize
+from azqemu.bench.density import PolicyRun, StepResult, rebase_host_series, summarize
 
 MIB = 1 << 20
 
@@ -114,3 +114,19 @@ def test_outputs_compare_without_the_run_time_tools_print() -> None:
     assert comparable_output(ls_a) == comparable_output(ls_b)
     assert comparable_output(ls_a) != comparable_output(ls_b.replace(b"1040", b"1041"))
     assert comparable_output(b"see Dec  6 09:53\n") == b"see Dec  6 09:53\n"     # not an ls column
+
+
+def test_a_drop_of_the_idle_host_raises_the_run_s_host_figures() -> None:
+    """Sampled against an idle figure 60 MiB too high, a run's host used and host cost rise by
+    as much; owned memory, QEMU's own memory and the rest stay as sampled."""
+    run = _run("linux", [400, 500], [300, 300])
+    rebase_host_series(run.series, 60 * MIB)
+    assert run.series["host_used_bytes"] == [460 * MIB, 560 * MIB]
+    assert run.series["host_cost_bytes"] == [160 * MIB, 260 * MIB]
+    assert run.series["qemu_own_bytes"] == [300 * MIB, 300 * MIB]
+    assert run.series["owned_bytes"] == [10.0 * MIB] * 2
+    pol = summarize(SimpleNamespace(name="w"), 2, [run], 0)["policies"]["linux"]  # type: ignore[arg-type]
+    assert pol["host_cost_bytes_avg"] == pytest.approx(210 * MIB) and pol["host_cost_bytes_peak"] == 260 * MIB
+    unchanged = _run("linux", [400, 500], [300, 300])
+    rebase_host_series(unchanged.series, 0)
+    assert unchanged.series["host_cost_bytes"] == [100 * MIB, 200 * MIB]

@@ -55,3 +55,11 @@ def test_wait_back_to_waits_for_the_host_to_free_what_a_run_let_go(monkeypatch: 
     assert 0.05 <= hm.wait_back_to(10 * MIB, timeout_s=0.05, interval_s=0.01) < 1.0
     # Already back: no wait at all.
     assert hm.wait_back_to(90 * MIB, timeout_s=5.0) < 0.5
+
+
+def test_a_policy_is_counted_against_the_lower_idle_figure() -> None:
+    """A drop across the run (the first figure still held memory being freed) is not the
+    policy's saving; a rise (memory that came and stayed) is its cost."""
+    assert hm.counted_idle_bytes(1180 * MIB, 1120 * MIB) == 1120 * MIB
+    assert hm.counted_idle_bytes(1100 * MIB, 1116 * MIB) == 1100 * MIB
+    assert hm.counted_idle_bytes(1100 * MIB, 1100 * MIB) == 1100 * MIB
