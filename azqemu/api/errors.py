@@ -51,8 +51,10 @@ INTERNAL_EXIT_CODE = 70   # sysexits EX_SOFTWARE: a bug in the daemon, its trace
 MAX_FIELD_CHARS = 4096    # a field is data for a program, not a dump of the daemon's state
 
 # Modules whose error classes a client may be asked to rebuild (besides azqemu.errors).
+# Every module that defines an AzqemuError (tests/unit/api/test_errors.py walks the package);
+# daemon.sandboxmem stays for daemons from before CompressCancelled moved to daemon.memstats.
 KNOWN_MODULES = ("azqemu.errors", "azqemu.restore.errors", "azqemu.memory.persist", "azqemu.memory.store",
-                 "azqemu.daemon.sandboxmem", "azqemu.bench.restore_bench")
+                 "azqemu.daemon.memstats", "azqemu.daemon.sandboxmem", "azqemu.bench.restore_bench")
 
 
 def status_of(exc: E.AzqemuError) -> int:

@@ -4,11 +4,16 @@ cannot rebuild."""
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+
 import pytest
 
+import azqemu
 from azqemu import errors as E
 from azqemu.api.errors import error_info, rebuild, status_of
 from azqemu.api.models import ErrorInfo
+from azqemu.daemon.memstats import CompressCancelled
 from azqemu.memory.persist import StoreFull
 
 
@@ -67,3 +72,28 @@ def test_a_changed_exit_code_travels() -> None:
     exc = E.SandboxNotFound("x")
     exc.exit_code = 125
     assert rebuild(error_info(exc)).exit_code == 125
+
+
+def _error_classes() -> list[type[E.AzqemuError]]:
+    """Every AzqemuError subclass defined in the package (C extensions and __main__ skipped)."""
+    found = []
+    for info in pkgutil.walk_packages(azqemu.__path__, "azqemu."):
+        leaf = info.name.rsplit(".", 1)[-1]
+        if leaf == "__main__" or (leaf.startswith("_") and not info.ispkg):
+            continue
+        for obj in vars(importlib.import_module(info.name)).values():
+            if isinstance(obj, type) and issubclass(obj, E.AzqemuError) and obj.__module__ == info.name:
+                found.append(obj)
+    return found
+
+
+def test_the_client_rebuilds_every_error_the_package_defines() -> None:
+    """A class whose module the client does not look in comes back as a RemoteError: the fuzz
+    test's compress loop met CompressCancelled so after it moved to daemon.memstats."""
+    classes = _error_classes()
+    assert CompressCancelled in classes and len(classes) > 40
+    for cls in classes:
+        info = ErrorInfo(type=cls.__name__, message="m", exit_code=1, module=cls.__module__)
+        assert type(rebuild(info)) is cls, cls
+    back = rebuild(error_info(CompressCancelled("fz-0", 3)))
+    assert isinstance(back, CompressCancelled) and back.done == 3
