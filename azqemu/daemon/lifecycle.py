@@ -238,6 +238,10 @@ class Lifecycle:
             self._destroy(self.reg.host, self.reg.sandboxes, name)  # a domain without a record
             return
         slot.request_destroy()
+        try:
+            rec: SandboxRecord | None = self.reg.sandboxes.get(name)
+        except AzqemuError:
+            rec = None
         # A compression in progress stops at its next step, so the wait below is short; one
         # that starts after this (it passed the destroy_requested check just before) stops
         # at its first step: this cancel is for good, a compression does not clear it (an
@@ -266,6 +270,21 @@ class Lifecycle:
             self.reg.forget(name)
             self.publish(name, "destroyed", f"by azqemu (was {was.value})", state=was.value,
                          duration_s=round(time.perf_counter() - t0, 6))
+        self._give_back_template_zeros(rec)
+
+    def _give_back_template_zeros(self, rec: SandboxRecord | None) -> None:
+        """Once a template's last copy-on-write clone is gone, the zero pages its clones made
+        its tmpfs working copy hold go back to the host (TemplateRepo.give_back_zero_pages):
+        without that the template keeps growing by every hole a clone ever touched."""
+        if rec is None or rec.ram_mode != "cow" or self.reg.clones_of(rec.template):
+            return
+        try:
+            freed = self.reg.templates.give_back_zero_pages(rec.template)
+        except (OSError, AzqemuError) as exc:
+            log.warning("template %s: zero pages not given back: %s", rec.template, exc)
+            return
+        if freed:
+            log.info("template %s: %d MiB of zero pages its clones allocated given back", rec.template, freed >> 20)
 
     # -- exec ----------------------------------------------------------------------------
     def exec(self, name: str, argv: list[str], timeout_s: float = EXEC_DEFAULT_TIMEOUT_S,

@@ -112,6 +112,15 @@ class TemplateRepo:
                 self._copy_to_shm(name, disk, path)
         return path
 
+    def give_back_zero_pages(self, name: str) -> int:
+        """Punch the zero pages copy-on-write clones made the template's working copy hold
+        back to holes (ramfile.punch_zero_pages); 0 if it has no working copy. Bytes given back."""
+        path = self.shm_dir(name) / "ram.img"
+        with _RAM_COPY_LOCK:
+            if not path.exists():
+                return 0
+            return ramfile.punch_zero_pages(path)
+
     def _copy_to_shm(self, name: str, disk: Path, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         for d in (self.cfg.shm_dir, path.parent.parent, path.parent):

@@ -35,3 +35,7 @@ def test_working_copy_is_made_from_the_disk_copy_sparse_and_removed_with_the_tem
     assert repo.ram_path("t").read_bytes() == disk.read_bytes()
     repo.delete("t", [])
     assert not path.exists() and not disk.exists()
+
+
+def test_zero_pages_go_back_only_from_a_working_copy_that_exists(repo) -> None:
+    assert repo.give_back_zero_pages("never-made") == 0
