@@ -99,9 +99,13 @@ class TemplateRepo:
     def shm_dir(self, name: str) -> Path:
         return self.cfg.shm_dir / "templates" / name
 
+    def _working_copy(self, name: str) -> Path:
+        """Where the template's tmpfs working copy is (whether or not it exists yet)."""
+        return self.shm_dir(name) / "ram.img"
+
     def ram_path(self, name: str) -> Path:
         """The template's RAM image that clones use (tmpfs), made from the disk copy if missing."""
-        path = self.shm_dir(name) / "ram.img"
+        path = self._working_copy(name)
         if path.exists():
             return path
         disk = self.disk_ram_path(name)
@@ -115,7 +119,7 @@ class TemplateRepo:
     def give_back_zero_pages(self, name: str) -> int:
         """Punch the zero pages copy-on-write clones made the template's working copy hold
         back to holes (ramfile.punch_zero_pages); 0 if it has no working copy. Bytes given back."""
-        path = self.shm_dir(name) / "ram.img"
+        path = self._working_copy(name)
         with _RAM_COPY_LOCK:
             if not path.exists():
                 return 0
