@@ -214,10 +214,11 @@ def run_policy(c: Client, template: str, wl: Workload, plan: list[list[Step]], p
         run.extra.update(manager_idle_rss_bytes=idle["rss_bytes"], manager_idle_anon_bytes=idle["anon_bytes"],
                          manager_anon_at_start_bytes=at_start["anon_bytes"], grace_s=grace_s)
         if pol.linux_reclaim:
-            from azqemu.host.linuxmm import LinuxConfig, wait_ksm_converged
+            from azqemu.host.linuxmm import LinuxConfig, wait_ksm_converged, zram_disksize_for
 
-            lc = stack.enter_context(LinuxConfig())
-            run.extra["zram_algorithm"] = lc.algorithm
+            zram_bytes = zram_disksize_for(n * (wl.template.mem_mib << 20))
+            lc = stack.enter_context(LinuxConfig(zram_disksize_bytes=zram_bytes))
+            run.extra.update(zram_algorithm=lc.algorithm, zram_disksize_bytes=zram_bytes)
         progress(f"[{policy}] cloning {n} sandboxes ({pol.clone_mode})")
         t0 = time.monotonic()
         prefix = f"{BENCH_PREFIX}{policy_short(policy)}-"

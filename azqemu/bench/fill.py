@@ -174,9 +174,10 @@ def fill_policy(c: Client, template: str, wl: Workload, policy: str, budget_byte
     prefix = f"{FILL_PREFIX}{policy_short(policy)}-"
     with ExitStack() as stack:
         if pol.linux_reclaim:
-            from azqemu.host.linuxmm import LinuxConfig
+            from azqemu.host.linuxmm import LinuxConfig, zram_disksize_for
 
-            stack.enter_context(LinuxConfig())
+            stack.enter_context(LinuxConfig(zram_disksize_bytes=zram_disksize_for(
+                max_sandboxes * (wl.template.mem_mib << 20))))
         daemon_pid = c.ping().pid
         cg = stack.enter_context(MemoryCgroup(f"azq-fill-{os.getpid()}", budget_bytes))
         shield = _OomShield(daemon_pid)

@@ -37,6 +37,8 @@ def test_every_policy_runs_and_guest_results_are_identical(daemon: object) -> No
         assert pol["failed_steps"] == 0, (name, [s for s in pol["steps"] if s["exit_code"]])
         assert pol["owned_bytes_avg"] > 0 and pol["tool_latency_s"]["median"] > 0
     assert density.outputs_identical(result) == []
+    # linux's zram holds what its two guests can swap, no more (its table costs per GiB).
+    assert result["policies"]["linux"]["zram_disksize_bytes"] == 2 * (wl.template.mem_mib << 20)
     for name in ("agentzip", "agentzip-no-prefetch", "agentzip-no-sibling"):
         assert result["policies"][name]["compress_s_total"] > 0, name
         assert result["policies"][name]["owned_bytes_avg"] < result["policies"]["none"]["owned_bytes_avg"]

@@ -75,3 +75,15 @@ def test_setup_needs_root(tmp_path: Path) -> None:
         pytest.skip("running as root: tests/integration/test_linux_config.py covers set-up")
     with pytest.raises(NotRoot):
         linuxmm.LinuxConfig(record_dir=tmp_path).setup()
+
+
+def test_zram_disksize_follows_the_guests_ram(monkeypatch: pytest.MonkeyPatch) -> None:
+    # zram's table costs memory in proportion to the disk size once it is set: the device
+    # holds what the guests can swap, their RAM together, and no more than half the host.
+    monkeypatch.setattr(linuxmm, "_meminfo_bytes", lambda key: {"MemTotal": 24 << 30}[key])
+    assert linuxmm.zram_disksize_for(8 * (512 << 20)) == 4 << 30
+    assert linuxmm.zram_disksize_for(64 * (512 << 20)) == 12 << 30
+    assert linuxmm.zram_disksize_for((1 << 20) + 100) == 1 << 20       # whole pages
+    assert linuxmm.zram_disksize_for(100) == 4096
+    with pytest.raises(ValueError, match="positive"):
+        linuxmm.zram_disksize_for(0)
