@@ -324,9 +324,7 @@ class Accounting:
         similarity entries, sandbox indices), ``template_index_bytes`` (hashes and lookups of
         the template images it holds), ``sandbox_state_bytes`` (per-sandbox state: source
         maps, fault handlers' maps and rings, hot sets per kind of call, trim history) over
-        ``sandboxes``, ``kind_book_bytes`` (the kinds of call per sharing domain),
-        ``encoder_cache_bytes`` (blobs the encoder decoded, kept across compressions:
-        blobcache.py, at most 4 MiB, released when the store empties)."""
+        ``sandboxes``, ``kind_book_bytes`` (the kinds of call per sharing domain)."""
         out = dict(selfmem.self_memory())
         out.update(selfmem.heap_stats())
         mems = list(self.memory.mem.values())
@@ -344,5 +342,4 @@ class Accounting:
                     continue
                 index += db.blob_bytes - db.payload_bytes + db.index_bytes
         out["store_index_bytes"] = int(index)
-        out["encoder_cache_bytes"] = 0 if store is None else store.blob_cache_stats()["held_bytes"]
         return out

@@ -102,8 +102,6 @@ def memory_stats(mem: Any, *, reset: bool = False) -> dict[str, object]:
             "handler": counters, "service_us": service,
             # The store's, shared by every sandbox: a fault that waited on its lock (cumulative).
             "store_lock_waits": mem.store.fault_lock_waits(),
-            # The store's too: blobs the encoder found decoded already, or had to decode.
-            "encoder_blob_cache": mem.store.blob_cache_stats(),
             # Per attempt, by bucket of the best payload before it (<= 512, 1024, 2048 B, more).
             "encoder_saved_bytes_per_try": mem.store.attempt_summary(mem.sharing_domain),
             "last_compress": asdict(mem.last_compress), "last_resume": asdict(mem.last_resume),

@@ -93,9 +93,6 @@ class BlobTable:
         # up to an eighth of the similarity entries between purges.
         self.free = np.zeros(0, np.uint32)          # reusable ids
         self.quarantine = np.zeros(0, np.uint32)    # freed, still possibly in a similarity index
-        # Moves whenever ids become reusable (the quarantine released, the table emptied):
-        # what was learnt of a blob id under one epoch (blobcache.py) is void in the next.
-        self.reuse_epoch = 0
         self.domains: dict[str, DomainState] = {}
         self.domain_by_id: dict[int, DomainState] = {}
         # Called (under the store's lock) when ``rows`` or ``n`` changes: the native lookup
@@ -193,7 +190,6 @@ class BlobTable:
                     d.sim = SimilarityIndex(d.sim.keys[keep], d.sim.sources[keep])
         self.free = np.concatenate([self.free, self.quarantine])
         self.quarantine = np.zeros(0, np.uint32)
-        self.reuse_epoch += 1
 
     def forget_domain(self, d: DomainState) -> None:
         """Drop the indices of a domain that holds no live blob any more (its last sandbox
@@ -213,7 +209,6 @@ class BlobTable:
         self.rows = np.zeros(1024, dtype=BLOB_DTYPE)
         self.n = 0
         self.free, self.quarantine = np.zeros(0, np.uint32), np.zeros(0, np.uint32)
-        self.reuse_epoch += 1
         if self.on_change is not None:
             self.on_change(self)
         return True

@@ -15,7 +15,6 @@ import threading
 import numpy as np
 
 from azqemu.memory.arena import ArenaSet
-from azqemu.memory.blobcache import DecodedBlobCache
 from azqemu.memory.blobdecode import decode_batch, read_batch
 from azqemu.memory.blobtable import BlobTable, DomainState
 from azqemu.memory.kinds import DECODE_COST_US, PAGE_SIZE, Method, RefType
@@ -25,17 +24,18 @@ from azqemu.memory.zstdlib import PageZstd
 from azqemu.pages import unique_idx
 
 _REFTYPE_BLOB = int(RefType.BLOB)
+# Blobs decoded for the encoder (DUP confirmation, SDELTA bases) are cached per encode call.
+ENCODER_BLOB_CACHE_PAGES = 4096
 
 
 class StoreDomainView:
     """The encoder's window on domain ``d`` of a store (its state lock, table, arenas, codec)."""
 
     def __init__(self, lock: threading.RLock, table: BlobTable, arenas: ArenaSet, zstd: PageZstd,
-                 d: DomainState, template: TemplateImage, own_refs: np.ndarray | None = None,
-                 cache: DecodedBlobCache | None = None) -> None:
+                 d: DomainState, template: TemplateImage, own_refs: np.ndarray | None = None) -> None:
         self.lock, self.table, self.arenas, self.zstd = lock, table, arenas, zstd
         self.d, self.template = d, template
-        self.cache = cache if cache is not None else DecodedBlobCache()
+        self.cache: dict[int, np.ndarray] = {}
         # Blob ids the encoding sandbox references now (sorted): its old entries.
         self.own_refs = unique_idx(own_refs) if own_refs is not None else np.zeros(0, np.uint32)
 
@@ -46,37 +46,37 @@ class StoreDomainView:
     def blob_pages(self, blob_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The contents of many blobs the plan found, as page rows in the order asked, and
         whether each still lives (False: freed since the plan found it: a sibling's discard or
-        free runs beside the encode). One take of the store's lock for every blob asked, and
-        one decode (C, verified) for those the store's cache (blobcache.py) does not hold or
-        holds under other hashes: a take of the lock costs the compression worker two
-        priority changes (the raise a holder gets, nativestore.NativeLock)."""
+        free runs beside the encode). One take of the store's lock and one decode (C, verified)
+        for the blobs not cached, where a lookup per page took the lock and decoded in Python:
+        a take of the lock costs the compression worker two priority changes (the raise a
+        holder gets, nativestore.NativeLock)."""
         ids = np.asarray(blob_ids, dtype=np.int64)
         out = np.empty((len(ids), PAGE_SIZE), dtype=np.uint8)
         ok = np.zeros(len(ids), dtype=bool)
-        if not len(ids):
+        missing: list[int] = []
+        for i, b in enumerate(ids.tolist()):
+            page = self.cache.get(b)
+            if page is None:
+                missing.append(i)
+            else:
+                out[i], ok[i] = page, True
+        if not missing:
             return out, ok
-        uniq, inv = np.unique(ids, return_inverse=True)
-        cache = self.cache
+        want = np.asarray(missing, dtype=np.int64)
+        uniq, inv = np.unique(ids[want], return_inverse=True)
         with self.lock:
             live = self._live(uniq)
-            slot = cache.slots(uniq, self.table.reuse_epoch)
-            rows = self.table.rows[uniq[live]]
-            hit = np.zeros(len(uniq), dtype=bool)
-            cached = live & (slot >= 0)
-            hit[cached] = cache.valid(slot[cached], rows["key"][cached[live]], rows["check"][cached[live]])
-            miss = live & ~hit
-            batch = read_batch(self.table, self.arenas, uniq[miss]) if miss.any() else None
-        pages = np.empty((len(uniq), PAGE_SIZE), dtype=np.uint8)
-        if hit.any():
-            pages[hit] = cache.pages(slot[hit])
-        if batch is not None:
-            pages[miss] = decode_batch(self.zstd, batch, self.template)
-            sub = miss[live]
-            cache.put(uniq[miss], rows["key"][sub], rows["check"][sub], pages[miss])
-        cache.note(int(hit.sum()), int(miss.sum()))
+            batch = read_batch(self.table, self.arenas, uniq[live]) if live.any() else None
+        if batch is None:
+            return out, ok
+        pages = decode_batch(self.zstd, batch, self.template)
+        row_of = np.cumsum(live) - 1            # uniq position -> row of pages (where live)
         got = live[inv]
-        out[got] = pages[inv[got]]
-        ok[got] = True
+        out[want[got]] = pages[row_of[inv[got]]]
+        ok[want[got]] = True
+        if len(self.cache) + len(pages) > ENCODER_BLOB_CACHE_PAGES:
+            self.cache.clear()
+        self.cache.update(zip(uniq[live].tolist(), pages))
         return out, ok
 
     def _live(self, ids: np.ndarray) -> np.ndarray:

@@ -42,7 +42,6 @@ from azqemu.errors import StoreCorrupt, StoreError
 from azqemu.memory import nativestore
 from azqemu.memory.accounting import OwnedBytes
 from azqemu.memory.arena import DEFAULT_ARENA_BYTES, ArenaSet
-from azqemu.memory.blobcache import DecodedBlobCache
 from azqemu.memory.blobtable import BLOB_DTYPE, BlobTable, DomainState, in_domain_indices
 from azqemu.memory.crashpoint import crash_point
 from azqemu.memory.domainview import StoreDomainView
@@ -138,8 +137,6 @@ class PageStore(StoreWriter, StoreBooks):
         self._changed = False           # anything to write since the last generation's snapshot
         self._generation = 0            # number of the last durable generation (0: none)
         self._table = BlobTable()
-        # Blobs the encoder decoded (DUP confirmations, SDELTA bases), kept across encodes.
-        self._blob_cache = DecodedBlobCache()
         # Sandboxes the store named but could not load (name -> reason): their pages are lost.
         self.quarantined: dict[str, str] = {}
         # Sandboxes a destroy freed (name -> owner), durable until the name is used again.
@@ -280,8 +277,7 @@ class PageStore(StoreWriter, StoreBooks):
                 with self._lock:
                     old = self._sandboxes.get(sandbox)
                     own = old.index.blob_refs().copy() if old is not None and hot is not None else None
-                view = StoreDomainView(self._lock, self._table, self._arenas, self.zstd, d, template, own,
-                                       self._blob_cache)
+                view = StoreDomainView(self._lock, self._table, self._arenas, self.zstd, d, template, own)
                 plan = encoder.plan(page_idx, pages, template, view, hot)
                 with self._lock:
                     if self._plan_still_valid(plan):
@@ -562,12 +558,6 @@ class PageStore(StoreWriter, StoreBooks):
         """The C fault side's waits for the state lock (NativeLock.fault_waits); empty
         without the native lookup (faults then take the Python lock, not counted)."""
         return self._native.lock.fault_waits() if self._native is not None else {}
-
-    def blob_cache_stats(self) -> dict[str, int]:
-        """The encoder's decoded-blob cache: lookups it answered, lookups that decoded, and
-        the bytes its page buffer holds."""
-        c = self._blob_cache
-        return {"hits": c.hits, "misses": c.misses, "held_bytes": c.held_bytes}
 
     # ------------------------------------------------------------------ persistence
     # flush, generation and compact_arena: StoreWriter (storewrite.py).

@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 from azqemu.memory.arena import ArenaSet
-from azqemu.memory.blobcache import DecodedBlobCache
 from azqemu.memory.blobtable import BlobTable
 from azqemu.memory.compaction import copy_payloads, plan_compaction, release_reserved, switch_compaction
 from azqemu.memory.crashpoint import crash_point
@@ -68,7 +67,6 @@ class StoreWriter:
     _compact_lock: threading.Lock       # one compaction at a time
     _encode_lock: threading.Lock        # one encode at a time (its plan holds blob ids)
     _table: BlobTable
-    _blob_cache: DecodedBlobCache       # the encoder's decoded blobs (blobcache.py)
     _arenas: ArenaSet
     _sandboxes: dict[str, StoredSandbox]
     _template_paths: dict[str, dict[str, Any]]
@@ -164,7 +162,6 @@ class StoreWriter:
                 with self._lock:
                     if not self._sandboxes and self._table.reset_if_empty():
                         self._changed = True
-                        self._blob_cache.clear()     # its buffer goes with the fleet
             finally:
                 self._compact_lock.release()
         finally:

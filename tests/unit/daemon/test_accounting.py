@@ -71,8 +71,7 @@ def mgr(cfg: Any, host: Any, sandbox_meta_of: Any, template: TemplateMeta,
                         template_bytes=0, arena_allocated_bytes=1500)
     store = SimpleNamespace(total_bytes=lambda: totals, books=lambda names: (totals, {}),
                             domain_bytes=lambda d: SimpleNamespace(blob_bytes=700, payload_bytes=600, index_bytes=50),
-                            owned_bytes_many=lambda names: {},
-                            blob_cache_stats=lambda: {"hits": 3, "misses": 1, "held_bytes": 4096})
+                            owned_bytes_many=lambda names: {})
     monkeypatch.setattr(m.memory, "opened_store", lambda: store)
     monkeypatch.setattr(m.accounting, "ram_resident_bytes", lambda pid, mode: RESIDENT[pid])
     monkeypatch.setattr(procfs, "find_guest_ram", lambda pid, backing=None: (0, 1 << 30))
@@ -109,7 +108,6 @@ def test_owned_sums_resident_and_stored_with_the_store_overhead(mgr: Manager) ->
     # ... and its own books: per-sandbox state, the store's and the templates' indices, glibc's heap.
     assert (parts["sandboxes"], parts["sandbox_state_bytes"]) == (2, 2000)
     assert parts["store_index_bytes"] == 150 and parts["template_index_bytes"] == 0
-    assert parts["encoder_cache_bytes"] == 4096
     assert parts["heap_in_use_bytes"] > 0 and "heap_free_bytes" in parts
     assert rows["m1"]["compress_cpu_s_total"] == 1.5
     assert rows["m1"]["compress_cpu_loops_below_s_total"] == 1.25
