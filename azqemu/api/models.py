@@ -193,6 +193,8 @@ class CompressResult(Response):
     left_pages: int = 0
     # Copies still equal to their stored entries: not encoded again.
     unchanged_pages: int = 0
+    # Incompressible pages (in ``raw_pages``) unchanged since the last compression: not tried again.
+    raw_untried_pages: int = 0
     encode_s: float = 0.0
     # CPU seconds of the compressing thread, and its codec attempts per codec (zstd, xor,
     # prefix, sdelta, lz4, patch): where a wait's compression CPU went.

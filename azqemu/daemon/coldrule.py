@@ -105,6 +105,13 @@ class CopyHistory:
     since: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.float64))
     raw: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=bool))
 
+    @classmethod
+    def of_raw(cls, idx: np.ndarray, key: np.ndarray, now: float) -> CopyHistory:
+        """The history a compression leaves: only the copies it left resident as RAW (sorted
+        ``idx``), each with the hash it had, so trims do not try them again either."""
+        return cls(np.asarray(idx, dtype=np.int64), np.asarray(key, dtype=np.uint64),
+                   np.full(len(idx), now), np.ones(len(idx), dtype=bool))
+
     def look_up(self, idx: np.ndarray, key: np.ndarray, now: float) -> tuple[np.ndarray, np.ndarray]:
         """For copies ``idx`` (sorted) with hashes ``key`` now: since when each has had that
         hash (``now`` if it changed or is new) and whether it was RAW with it."""

@@ -33,6 +33,7 @@ class CompressStats:
     unchanged_pages: int = 0   # copies still equal to their stored entries: not encoded again
     budget_stopped: bool = False   # the wait's CPU budget ran out (daemon/cpubudget.py)
     left_pages: int = 0        # copies it did not reach: resident as they were
+    raw_untried_pages: int = 0   # incompressible, unchanged since the last one: not tried (rawrecord.py)
     tries: dict[str, int] = field(default_factory=dict)   # codec attempts (zstd, xor, prefix, sdelta, lz4, patch)
 
     def add_encoded(self, pages: dict[str, int], nbytes: dict[str, int], tries: dict[str, int]) -> None:

@@ -361,7 +361,7 @@ class MemoryService:
         durations.COMPRESS_SECONDS.observe(st.total_s)
         if not st.cancelled:
             self.compress_count[rec.name] = self.compress_count.get(rec.name, 0) + 1
-            encoded = max(0, st.resident_pages - st.left_pages - st.unchanged_pages) * PAGE_SIZE
+            encoded = max(0, st.resident_pages - st.left_pages - st.unchanged_pages - st.raw_untried_pages) * PAGE_SIZE
             self.compress_encoded_bytes[rec.name] = self.compress_encoded_bytes.get(rec.name, 0) + encoded
         stored_bytes = mem.stored_bytes()
         self.publish(rec.name, "compress", "cancelled" if st.cancelled else "done",
@@ -372,6 +372,7 @@ class MemoryService:
                 "hot_pages": st.hot_pages, "mapped_pages": st.mapped_pages, "scan_s": st.scan_s,
                 "encode_s": st.encode_s, "punch_s": st.punch_s, "total_s": st.total_s,
                 "cancelled": st.cancelled, "unchanged_pages": st.unchanged_pages,
+                "raw_untried_pages": st.raw_untried_pages,
                 "budget_stopped": st.budget_stopped, "left_pages": st.left_pages, "stored_bytes": stored_bytes,
                 "resident_bytes": mem.resident_bytes(), "tries": st.tries, "cpu_s": cpu_s}
 

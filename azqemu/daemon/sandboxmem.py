@@ -45,6 +45,7 @@ from azqemu.daemon.coldrule import ColdRule, CopyHistory
 from azqemu.daemon.cpubudget import CpuBudget
 from azqemu.daemon.memstats import CompressCancelled, CompressStats, ResumeStats, TrimStats, memory_stats
 from azqemu.daemon.ramscan import RamScan, without_rows
+from azqemu.daemon.rawrecord import RawRecord
 from azqemu.daemon.trimsort import TrimSort
 from azqemu.errors import RestoreError, StoreError
 from azqemu.host import selfmem
@@ -73,6 +74,19 @@ log = logging.getLogger(__name__)
 
 # QEMU creates the export socket when its constructor runs; a clone asks right after start.
 EXPORT_CONNECT_TIMEOUT_S = 10.0
+
+
+def _raw_after(tried: list[tuple[np.ndarray, np.ndarray, np.ndarray]], enc_raw: np.ndarray,
+               left: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> RawRecord:
+    """The RAW record after a compression: the pages it tried that came out RAW (``enc_raw``)
+    and those it left untried as RAW, each with the hash of the content it saw."""
+    rows = list(left)
+    for p, k, c in tried:
+        raw = in_sorted(p, enc_raw)
+        rows.append((p[raw], k[raw], c[raw]))
+    if not rows:
+        return RawRecord()
+    return RawRecord.of(*(np.concatenate([r[i] for r in rows]) for i in range(3)))
 
 
 def _on_error(name: str, exc: BaseException, hva: int) -> None:  # FaultHandler's on_error
@@ -154,6 +168,7 @@ class SandboxMemory:
         self.calls = CallKinds(pages)      # the hot set per kind of tool call
         self._split = SplitResume(self.calls)   # a resume beside a call, in two parts
         self._history = CopyHistory()    # written copies the last trim saw (coldrule.py)
+        self._raw = RawRecord()          # incompressible pages the last compression left (rawrecord.py)
         self._resumed_at = 0.0                              # monotonic s of the last prefetch
         self.cold = ColdRule()
         self._trimmed_at = 0.0                              # monotonic s of the last trim
@@ -270,23 +285,36 @@ class SandboxMemory:
             t1 = time.perf_counter()
             # Only what changed is encoded (a copy equal to its entry by XXH3-128 keeps it): the
             # CPU follows what the guest wrote. Within the wait's CPU budget; the rest stays.
+            # Incompressible pages not written since the last compression stay, untried (rawrecord.py).
             check_unchanged = self.cow and self.name in self.store.sandboxes()
             kept: list[np.ndarray] = []
             taken: list[np.ndarray] = []
+            tried: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []     # (pages, key, check)
+            raw_left: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
             budget, scratch = CpuBudget(), Scratch()   # the buffers are this compression's
 
             def changed() -> Iterator[tuple[np.ndarray, np.ndarray]]:
                 for part, pages in budget.chunks(self.scan.chunks(idx, scratch), taken):
-                    if check_unchanged:
-                        same = self.store.entries_match(self.name, part, *page_hashes(pages))
-                        kept.append(part[same])
-                        part, pages = without_rows(part, pages, same, scratch)
+                    key, check = page_hashes(pages)
+                    same = (self.store.entries_match(self.name, part, key, check) if check_unchanged
+                            else np.zeros(len(part), dtype=bool))
+                    was_raw = self._raw.same(part, key, check) & ~same
+                    kept.append(part[same])
+                    raw_left.append((part[was_raw], key[was_raw], check[was_raw]))
+                    skip = same | was_raw
+                    if skip.any():
+                        part, pages = without_rows(part, pages, skip, scratch)
+                        key, check = key[~skip], check[~skip]
+                    tried.append((part, key, check))
                     yield part, pages
             # Copy-on-write: hot pages are kept small, not fast (a resume copies back a few
             # thousand stored pages). Lazy clones bring back their whole working set.
             enc_stored, enc_raw = self._encode(changed(), None if self.cow else hot_idx, st, scratch)
             unchanged = np.concatenate(kept) if kept else np.empty(0, dtype=np.int64)
             done = np.concatenate(taken) if taken else np.empty(0, dtype=np.int64)
+            self._raw = _raw_after(tried, enc_raw, raw_left)
+            st.raw_untried_pages = sum(len(r[0]) for r in raw_left)
+            enc_raw = self._raw.idx
             st.unchanged_pages, st.budget_stopped = len(unchanged), budget.exceeded
             st.left_pages = len(idx) - len(done)
             crash_point("after-encode")
@@ -299,7 +327,8 @@ class SandboxMemory:
             self._prefetched_idx = np.empty(0, dtype=np.int64)
             self.handler.reset_hot()
             st.hot_pages = len(self.hot_idx)
-            self._history = CopyHistory()   # trims start again, as does the fault record
+            # Trims start again, as does the fault record; they leave the RAW pages alone too.
+            self._history = CopyHistory.of_raw(self._raw.idx, self._raw.key, time.monotonic())
             self.cold.forget_drops()
             stored, free = self._commit(enc_stored)
             self.sources.assign(union_idx(stored, unchanged), self._store_src)
@@ -486,7 +515,7 @@ class SandboxMemory:
     def state_bytes(self) -> int:
         """Manager memory held for this sandbox between operations (a compression's buffers are freed)."""
         return int(len(self.sources.kinds) + self.handler.state_bytes() + self.hot_idx.nbytes
-                   + self._prefetched_idx.nbytes + self._history.nbytes + self.cold.state_bytes()
+                   + self._prefetched_idx.nbytes + self._history.nbytes + self._raw.nbytes + self.cold.state_bytes()
                    + self.calls.nbytes)
 
     def _check_cancel(self, done: int = 0) -> None:

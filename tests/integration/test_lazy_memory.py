@@ -55,6 +55,34 @@ def test_twenty_compress_resume_cycles_keep_guest_memory_exact(template: str, ra
         c.destroy(name=name)
 
 
+@pytest.mark.parametrize("ram_mode", ["lazy", "cow"])
+def test_incompressible_pages_are_not_tried_again_until_written(template: str, ram_mode: str) -> None:
+    """Random bytes come out RAW and stay resident; the next compression leaves those the guest
+    did not write untried, tries the rewritten ones again, and the guest's bytes stay exact."""
+    c = Client()
+    (rec,) = c.clone(template=template, count=1, name_prefix=f"raw{ram_mode}-", ram_mode=ram_mode)
+    name = rec.name
+    try:
+        code, _ = sh(name, "head -c 8000000 /dev/urandom > /tmp/rand; md5sum /tmp/rand > /tmp/rand.md5")
+        assert code == 0
+        first = c.compress(name=name)                     # 8 MB of random bytes: 1,954 pages
+        assert first.raw_pages >= 1900 and first.raw_untried_pages == 0, first
+        c.resume(name=name, prefetch=True)
+        second = c.compress(name=name)
+        assert 1900 <= second.raw_untried_pages <= second.raw_pages, second
+        c.resume(name=name, prefetch=True)
+        code, _ = sh(name, "dd if=/dev/urandom of=/tmp/rand bs=1M count=4 conv=notrunc status=none && "
+                           "md5sum /tmp/rand > /tmp/rand.md5")
+        assert code == 0
+        third = c.compress(name=name)                     # 4 MiB rewritten: 1,024 pages tried again
+        assert third.raw_untried_pages <= second.raw_untried_pages - 900, (second, third)
+        assert third.raw_pages >= 1900, third
+        code, out = sh(name, "md5sum -c /tmp/rand.md5")   # every page, tried or not, exact
+        assert code == 0, out
+    finally:
+        c.destroy(name=name)
+
+
 def test_trim_in_a_tool_call_and_unchanged_pages_keep_guest_memory_exact(template: str) -> None:
     """A copy-on-write sandbox resumed with its hot set is trimmed while a guest program keeps
     changing and verifying its buffer: copies equal to their stored entries are dropped and

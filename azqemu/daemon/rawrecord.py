@@ -1,0 +1,54 @@
+"""Incompressible pages a compression left resident, and the content it found them with.
+
+A page whose best encoding is not worth storing (Kind.RAW: random data, already compressed
+files) stays resident, and the store names it without a hash. Every compression read such a
+page again and ran the whole encoder on it (the template and sibling lookups, the codec
+attempts), to find it RAW again: a guest holding 64 MiB of gzip output or random bytes paid
+that at every LLM wait. The record keeps each RAW page's XXH3-128 as the encoder saw it; the
+next compression leaves a page whose hash has not moved where it is, untried, as trims
+already did between compressions (coldrule.CopyHistory's ``raw``).
+
+What a skipped page could have become: nothing the template offers (an unchanged page meets
+the same template), only a delta against a sibling's blob stored since, for a page that was
+too far from every sibling the first time. A guest that writes the page gets it tried again.
+A skipped page is never dropped: it is resident, and the store keeps naming it RAW.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class RawRecord:
+    """Page indices (ascending) and the XXH3-128 (``key``, ``check``) of their content when a
+    compression found them incompressible."""
+
+    idx: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    key: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.uint64))
+    check: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.uint64))
+
+    @classmethod
+    def of(cls, idx: np.ndarray, key: np.ndarray, check: np.ndarray) -> RawRecord:
+        """From rows in any order (unique page indices)."""
+        idx = np.asarray(idx, dtype=np.int64)
+        order = np.argsort(idx, kind="stable")
+        return cls(idx[order], np.asarray(key, dtype=np.uint64)[order], np.asarray(check, dtype=np.uint64)[order])
+
+    def same(self, idx: np.ndarray, key: np.ndarray, check: np.ndarray) -> np.ndarray:
+        """For pages ``idx`` whose content hashes to ``key``/``check`` now: whether each was
+        RAW with exactly this content."""
+        idx = np.asarray(idx, dtype=np.int64)
+        if not len(self.idx) or not len(idx):
+            return np.zeros(len(idx), dtype=bool)
+        pos = np.minimum(np.searchsorted(self.idx, idx), len(self.idx) - 1)
+        return (self.idx[pos] == idx) & (self.key[pos] == key) & (self.check[pos] == check)
+
+    def __len__(self) -> int:
+        return len(self.idx)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.idx.nbytes + self.key.nbytes + self.check.nbytes)
