@@ -270,7 +270,9 @@ def compress(name: str, as_json: bool) -> None:
         return
     kinds = ", ".join(f"{k} {v}" for k, v in r.pages.items() if v)
     click.echo(f"{name}: {r.resident_pages} resident pages -> {r.stored_pages} stored "
-               f"({_size(r.stored_bytes)}), {r.raw_pages} kept resident; {kinds}; "
+               f"({_size(r.stored_bytes)}), {r.raw_pages} kept resident"
+               + (f" ({r.raw_untried_pages} incompressible, unchanged: not tried)" if r.raw_untried_pages else "")
+               + f"; {kinds}; "
                f"{r.total_s * 1000:.0f} ms" + (" (cancelled by a resume)" if r.cancelled else ""))
 
 

@@ -11,7 +11,9 @@ already did between compressions (coldrule.CopyHistory's ``raw``).
 What a skipped page could have become: nothing the template offers (an unchanged page meets
 the same template), only a delta against a sibling's blob stored since, for a page that was
 too far from every sibling the first time. A guest that writes the page gets it tried again.
-A skipped page is never dropped: it is resident, and the store keeps naming it RAW.
+A skipped page is never dropped: it is resident, and the store holds no entry for it (a page
+a trim encoded since, whose content came back to what it was, is tried: its encode replaces
+the trim's entry).
 """
 
 from __future__ import annotations

@@ -286,7 +286,8 @@ class SandboxMemory:
             # Only what changed is encoded (a copy equal to its entry by XXH3-128 keeps it): the
             # CPU follows what the guest wrote. Within the wait's CPU budget; the rest stays.
             # Incompressible pages not written since the last compression stay, untried (rawrecord.py).
-            check_unchanged = self.cow and self.name in self.store.sandboxes()
+            in_store = self.name in self.store.sandboxes()
+            check_unchanged = self.cow and in_store
             kept: list[np.ndarray] = []
             taken: list[np.ndarray] = []
             tried: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []     # (pages, key, check)
@@ -299,6 +300,10 @@ class SandboxMemory:
                     same = (self.store.entries_match(self.name, part, key, check) if check_unchanged
                             else np.zeros(len(part), dtype=bool))
                     was_raw = self._raw.same(part, key, check) & ~same
+                    if was_raw.any() and in_store:
+                        # Only a page the store holds nothing for: one a trim (or a cancelled
+                        # compression) gave an entry since is encoded, which replaces that entry.
+                        was_raw[was_raw] = self.store.page_kinds(self.name, part[was_raw]) == int(Kind.RAW)
                     kept.append(part[same])
                     raw_left.append((part[was_raw], key[was_raw], check[was_raw]))
                     skip = same | was_raw
