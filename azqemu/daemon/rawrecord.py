@@ -18,9 +18,13 @@ the trim's entry).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from azqemu.memory.kinds import Kind
+from azqemu.memory.store import PageStore
 
 
 @dataclass
@@ -54,3 +58,42 @@ class RawRecord:
     @property
     def nbytes(self) -> int:
         return int(self.idx.nbytes + self.key.nbytes + self.check.nbytes)
+
+
+class RawPass:
+    """One compression's use of the record for sandbox ``name`` of ``store``: the pages of
+    each chunk it leaves untried, the pages it tried, and the record it leaves. Only a page the
+    store holds no entry for is left untried: one a trim (or a cancelled compression) gave an
+    entry since is tried, and its encode replaces that entry."""
+
+    def __init__(self, record: RawRecord, store: PageStore, name: str) -> None:
+        self.record = record
+        self.stored_nothing: Callable[[np.ndarray], np.ndarray] | None = None   # None: it holds nothing
+        if name in store.sandboxes():
+            self.stored_nothing = lambda pages: store.page_kinds(name, pages) == int(Kind.RAW)
+        self.untried_pages = 0
+        self._rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []    # untried: (idx, key, check)
+        self._tried: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+
+    def untried(self, idx: np.ndarray, key: np.ndarray, check: np.ndarray, skip: np.ndarray) -> np.ndarray:
+        """Of a chunk's pages (those in ``skip`` are dropped for another reason), the ones left
+        untried; the rest are noted as tried."""
+        was_raw = self.record.same(idx, key, check) & ~skip
+        if was_raw.any() and self.stored_nothing is not None:
+            was_raw[was_raw] = self.stored_nothing(idx[was_raw])
+        self._rows.append((idx[was_raw], key[was_raw], check[was_raw]))
+        self.untried_pages += int(np.count_nonzero(was_raw))
+        rest = ~(was_raw | skip)
+        self._tried.append((idx[rest], key[rest], check[rest]))
+        return was_raw
+
+    def after(self, enc_raw: np.ndarray) -> RawRecord:
+        """The record this compression leaves: the pages it tried that came out RAW
+        (``enc_raw``, ascending) and those it left untried, each with the hash it saw."""
+        rows = list(self._rows)
+        for idx, key, check in self._tried:
+            raw = np.isin(idx, enc_raw, assume_unique=True) if len(enc_raw) else np.zeros(len(idx), dtype=bool)
+            rows.append((idx[raw], key[raw], check[raw]))
+        if not rows:
+            return RawRecord()
+        return RawRecord.of(*(np.concatenate([r[i] for r in rows]) for i in range(3)))

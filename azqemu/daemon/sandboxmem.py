@@ -45,7 +45,7 @@ from azqemu.daemon.coldrule import ColdRule, CopyHistory
 from azqemu.daemon.cpubudget import CpuBudget
 from azqemu.daemon.memstats import CompressCancelled, CompressStats, ResumeStats, TrimStats, memory_stats
 from azqemu.daemon.ramscan import RamScan, without_rows
-from azqemu.daemon.rawrecord import RawRecord
+from azqemu.daemon.rawrecord import RawPass, RawRecord
 from azqemu.daemon.trimsort import TrimSort
 from azqemu.errors import RestoreError, StoreError
 from azqemu.host import selfmem
@@ -59,7 +59,7 @@ from azqemu.memory.template import TemplateImage
 from azqemu.pages import PAGE_SIZE, Scratch, in_sorted, intersect_idx, page_runs, setdiff_idx, union_idx
 from azqemu.restore.export import UffdExport, UffdHandle
 from azqemu.restore.handler import FaultHandler
-from azqemu.restore.mapback import map_from_file, untouched_in_page_tables
+from azqemu.restore.mapback import map_unstored, untouched_in_page_tables
 from azqemu.restore.prefetch import Prefetcher
 from azqemu.restore.source import (
     CompositeSource,
@@ -74,19 +74,6 @@ log = logging.getLogger(__name__)
 
 # QEMU creates the export socket when its constructor runs; a clone asks right after start.
 EXPORT_CONNECT_TIMEOUT_S = 10.0
-
-
-def _raw_after(tried: list[tuple[np.ndarray, np.ndarray, np.ndarray]], enc_raw: np.ndarray,
-               left: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> RawRecord:
-    """The RAW record after a compression: the pages it tried that came out RAW (``enc_raw``)
-    and those it left untried as RAW, each with the hash of the content it saw."""
-    rows = list(left)
-    for p, k, c in tried:
-        raw = in_sorted(p, enc_raw)
-        rows.append((p[raw], k[raw], c[raw]))
-    if not rows:
-        return RawRecord()
-    return RawRecord.of(*(np.concatenate([r[i] for r in rows]) for i in range(3)))
 
 
 def _on_error(name: str, exc: BaseException, hva: int) -> None:  # FaultHandler's on_error
@@ -283,43 +270,28 @@ class SandboxMemory:
                 # fault yet, they are the whole working set the guest showed.
                 hot_idx = union_idx(hot_idx, idx)
             t1 = time.perf_counter()
-            # Only what changed is encoded (a copy equal to its entry by XXH3-128 keeps it): the
-            # CPU follows what the guest wrote. Within the wait's CPU budget; the rest stays.
-            # Incompressible pages not written since the last compression stay, untried (rawrecord.py).
-            in_store = self.name in self.store.sandboxes()
-            check_unchanged = self.cow and in_store
+            # Only what changed is encoded (a copy equal to its entry by XXH3-128 keeps it; an
+            # incompressible page not written since stays, untried: rawrecord.py): the CPU
+            # follows what the guest wrote. Within the wait's CPU budget; the rest stays.
             kept: list[np.ndarray] = []
             taken: list[np.ndarray] = []
-            tried: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []     # (pages, key, check)
-            raw_left: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+            raws = RawPass(self._raw, self.store, self.name)
             budget, scratch = CpuBudget(), Scratch()   # the buffers are this compression's
 
             def changed() -> Iterator[tuple[np.ndarray, np.ndarray]]:
                 for part, pages in budget.chunks(self.scan.chunks(idx, scratch), taken):
                     key, check = page_hashes(pages)
-                    same = (self.store.entries_match(self.name, part, key, check) if check_unchanged
-                            else np.zeros(len(part), dtype=bool))
-                    was_raw = self._raw.same(part, key, check) & ~same
-                    if was_raw.any() and in_store:
-                        # Only a page the store holds nothing for: one a trim (or a cancelled
-                        # compression) gave an entry since is encoded, which replaces that entry.
-                        was_raw[was_raw] = self.store.page_kinds(self.name, part[was_raw]) == int(Kind.RAW)
+                    same = self.store.entries_match(self.name, part, key, check) & self.cow
                     kept.append(part[same])
-                    raw_left.append((part[was_raw], key[was_raw], check[was_raw]))
-                    skip = same | was_raw
-                    if skip.any():
-                        part, pages = without_rows(part, pages, skip, scratch)
-                        key, check = key[~skip], check[~skip]
-                    tried.append((part, key, check))
-                    yield part, pages
+                    skip = same | raws.untried(part, key, check, same)
+                    yield without_rows(part, pages, skip, scratch) if skip.any() else (part, pages)
             # Copy-on-write: hot pages are kept small, not fast (a resume copies back a few
             # thousand stored pages). Lazy clones bring back their whole working set.
             enc_stored, enc_raw = self._encode(changed(), None if self.cow else hot_idx, st, scratch)
             unchanged = np.concatenate(kept) if kept else np.empty(0, dtype=np.int64)
             done = np.concatenate(taken) if taken else np.empty(0, dtype=np.int64)
-            self._raw = _raw_after(tried, enc_raw, raw_left)
-            st.raw_untried_pages = sum(len(r[0]) for r in raw_left)
-            enc_raw = self._raw.idx
+            self._raw, st.raw_untried_pages = raws.after(enc_raw), raws.untried_pages
+            enc_raw = self._raw.idx        # tried or not, every RAW page stays resident
             st.unchanged_pages, st.budget_stopped = len(unchanged), budget.exceeded
             st.left_pages = len(idx) - len(done)
             crash_point("after-encode")
@@ -332,8 +304,7 @@ class SandboxMemory:
             self._prefetched_idx = np.empty(0, dtype=np.int64)
             self.handler.reset_hot()
             st.hot_pages = len(self.hot_idx)
-            # Trims start again, as does the fault record; they leave the RAW pages alone too.
-            self._history = CopyHistory.of_raw(self._raw.idx, self._raw.key, time.monotonic())
+            self._history = CopyHistory.of_raw(self._raw.idx, self._raw.key, time.monotonic())   # trims anew
             self.cold.forget_drops()
             stored, free = self._commit(enc_stored)
             self.sources.assign(union_idx(stored, unchanged), self._store_src)
@@ -572,11 +543,8 @@ class SandboxMemory:
             unmapped = untouched_in_page_tables(self.handle.pid, self.block, dropped)
             self._mapped_all = True
         kinds = np.frombuffer(self.sources.kinds, dtype=np.uint8)[unmapped]
-        from_template = unmapped[kinds == 0]
-        data = self.template.rows(from_template) >= 0
-        zero = union_idx(from_template[~data], unmapped[kinds == self.sources.index_of(self._zero_src)])
-        return (map_from_file(self.handle.uffd, self.block, from_template[data])
-                + map_from_file(self.handle.uffd, self.block, zero, zero=True))
+        return map_unstored(self.handle.uffd, self.block, unmapped, kinds, self.sources.index_of(self._zero_src),
+                            self.template.rows(unmapped))
 
     # -- resume ---------------------------------------------------------------------------
     def prefetch(self, *, hot: bool = True, call: int | None = None, part: str = "all") -> ResumeStats:

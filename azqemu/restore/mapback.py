@@ -14,7 +14,7 @@ import errno
 import numpy as np
 
 from azqemu.host.pagemap import unmapped_pages
-from azqemu.pages import page_runs, unique_idx
+from azqemu.pages import page_runs, union_idx, unique_idx
 from azqemu.restore import uffd as uffd_ops
 from azqemu.restore.errors import UffdIoctlError
 from azqemu.restore.export import RamMapping
@@ -76,3 +76,17 @@ def untouched_in_page_tables(pid: int, block: RamMapping, dropped: np.ndarray | 
     spans = np.zeros((off + block.page_count) // per_span + 1, dtype=bool)
     spans[(off + np.flatnonzero(held)) // per_span] = True
     return unmapped[spans[(off + unmapped) // per_span]]
+
+
+def map_unstored(uffd: int, block: RamMapping, unmapped: np.ndarray, source_kind: np.ndarray, zero_kind: int,
+                 template_rows: np.ndarray) -> int:
+    """Copy-on-write, after a drop: map the ``unmapped`` pages (sorted) that the store does not
+    serve, free for the sandbox (8 bytes of page table each): those whose source is the
+    template (``source_kind`` 0) from its page cache where ``template_rows`` (the template's
+    row of each, -1 for a hole) has data, as the zero page over its holes and where the source
+    is known zero (``zero_kind``). Returns the pages mapped."""
+    from_template = unmapped[source_kind == 0]
+    data = template_rows[source_kind == 0] >= 0
+    zero = union_idx(from_template[~data], unmapped[source_kind == zero_kind])
+    return (map_from_file(uffd, block, from_template[data])
+            + map_from_file(uffd, block, zero, zero=True))

@@ -99,15 +99,16 @@ def test_trim_in_a_tool_call_and_unchanged_pages_keep_guest_memory_exact(templat
         # come back that often would (rightly) make the trim's rule wait longer.
         start_checker(name, 2, "t")
         rounds = wait_rounds(name, "t", 0)
-        dropped, unchanged, encoded, from_store = 0, 0, 0, 0
+        dropped, unchanged, encoded, stored, from_store = 0, 0, 0, 0, 0
         files = "/tmp/blob.md5 /tmp/cold*.md5"
         for cycle in range(6):
             st = c.compress(name=name)
             unchanged += st.unchanged_pages
             c.resume(name=name, prefetch=True)
             rounds = wait_rounds(name, "t", rounds)
-            # Written in the tool call and left alone: encoded and dropped by the second trim.
-            code, _ = sh(name, f"head -c 3000000 /dev/urandom | base64 > /tmp/cold{cycle}; "
+            # Written in the tool call and left alone: encoded and dropped by the second trim
+            # while the rule's age is the least (hex text: compressible, ~1,100 pages).
+            code, _ = sh(name, f"head -c 1500000 /dev/urandom | od -An -tx1 > /tmp/cold{cycle}; "
                                f"md5sum /tmp/cold{cycle} > /tmp/cold{cycle}.md5")
             assert code == 0
             for _ in range(2):
@@ -117,6 +118,7 @@ def test_trim_in_a_tool_call_and_unchanged_pages_keep_guest_memory_exact(templat
                 assert t.stored_pages <= t.encoded_pages and t.stored_pages <= t.dropped_pages
                 dropped += t.dropped_pages
                 encoded += t.encoded_pages
+                stored += t.stored_pages
                 rounds = wait_rounds(name, "t", rounds)
             r = c.exec(name=name, argv=["/bin/sh", "-c", f"md5sum -c {files}"])   # every dropped page back, exact
             assert r.exit_code == 0, f"cycle {cycle}: {r.stdout.decode()}"
@@ -124,7 +126,9 @@ def test_trim_in_a_tool_call_and_unchanged_pages_keep_guest_memory_exact(templat
             from_store += r.faults_from_store
         assert dropped > 1000, dropped          # the blob's pages at least, after each resume
         assert unchanged > 1000, unchanged      # re-compressions skipped the pages left as stored
-        assert encoded > 6 * 900, encoded       # each cold file's ~990 pages
+        # The first cold file at least (later ones wait for the rule's longer age, or for the
+        # next compression); the blob's incompressible pages are not tried again (rawrecord.py).
+        assert encoded >= stored > 900, (encoded, stored)
         # The dropped files read back came from the store (the C thread counts where from).
         assert from_store > 0 or not native.available(), from_store
         # Pages a trim dropped that the tool call reads again make the rule wait longer.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from azqemu.daemon.coldrule import CopyHistory
-from azqemu.daemon.rawrecord import RawRecord
+from azqemu.daemon.rawrecord import RawPass, RawRecord
 
 
 def test_a_page_counts_as_raw_only_with_the_content_it_was_tried_with() -> None:
@@ -25,3 +25,35 @@ def test_trims_after_a_compression_leave_its_raw_pages_alone_while_their_hash_ho
     since, raw = hist.look_up(np.array([3, 5, 9]), np.array([30, 50, 91], dtype=np.uint64), now=105.0)
     assert raw.tolist() == [True, False, False]          # 9 was written since: no longer known RAW
     assert since.tolist() == [100.0, 105.0, 105.0]
+
+
+def test_a_compression_tries_what_changed_or_what_the_store_holds_an_entry_for(tmp_path) -> None:
+    """With a real store: of the pages recorded RAW with their content now, the ones the store
+    holds nothing for are left untried; one a trim stored since (an entry) is tried again, and
+    the record the pass leaves holds what came out RAW and what it left."""
+    from azqemu.memory.pagehash import page_hashes
+    from azqemu.memory.store import PageStore
+    from tests.unit.memory.conftest import make_template, random_page, text_page
+
+    template = make_template([text_page(i) for i in range(4)], n_pages=64)
+    with PageStore(tmp_path / "store", arena_bytes=1 << 20) as store:
+        idx = np.array([10, 11, 12, 13])
+        pages = np.stack([random_page(1), random_page(2), random_page(3), text_page(9)])
+        res = store.encode("s", "d", idx, pages, template)
+        assert res.raw_idx.tolist() == [10, 11, 12]
+        key, check = page_hashes(pages)
+        record = RawRecord.of(idx[:3], key[:3], check[:3])
+        # Page 12 since: a trim stored it (the store holds an entry for it now).
+        store.encode("s", "d", idx[2:3], np.stack([text_page(12)]), template)
+        pages[1] = random_page(7)                             # page 11 written since
+        key, check = page_hashes(pages)
+        rp = RawPass(record, store, "s")
+        untried = rp.untried(idx, key, check, np.zeros(4, dtype=bool))
+        assert untried.tolist() == [True, False, False, False] and rp.untried_pages == 1
+        after = rp.after(np.array([11]))                      # the encode found 11 RAW again
+        assert after.idx.tolist() == [10, 11] and (after.key == key[:2]).all()
+        # A sandbox the store holds nothing for: every recorded page with its content is left.
+        rp = RawPass(record, store, "other")
+        assert rp.untried(idx, *page_hashes(np.stack([random_page(1), random_page(2), random_page(3),
+                                                       text_page(9)])), np.zeros(4, dtype=bool)).tolist() \
+            == [True, True, True, False]
