@@ -25,6 +25,7 @@ import numpy as np
 
 from azqemu.memory.kinds import Kind
 from azqemu.memory.store import PageStore
+from azqemu.pages import in_sorted
 
 
 @dataclass
@@ -92,7 +93,7 @@ class RawPass:
         (``enc_raw``, ascending) and those it left untried, each with the hash it saw."""
         rows = list(self._rows)
         for idx, key, check in self._tried:
-            raw = np.isin(idx, enc_raw, assume_unique=True) if len(enc_raw) else np.zeros(len(idx), dtype=bool)
+            raw = in_sorted(idx, enc_raw)
             rows.append((idx[raw], key[raw], check[raw]))
         if not rows:
             return RawRecord()
