@@ -62,15 +62,16 @@ class RawRecord:
 
 
 class RawPass:
-    """One compression's use of the record for sandbox ``name`` of ``store``: the pages of
-    each chunk it leaves untried, the pages it tried, and the record it leaves. Only a page the
-    store holds no entry for is left untried: one a trim (or a cancelled compression) gave an
-    entry since is tried, and its encode replaces that entry."""
+    """One compression's use of the record for sandbox ``name`` of ``store`` (``held``: the
+    store holds entries of it): the pages of each chunk it leaves untried, the pages it tried,
+    and the record it leaves. Only a page the store holds no entry for is left untried: one a
+    trim (or a cancelled compression) gave an entry since is tried, and its encode replaces
+    that entry."""
 
-    def __init__(self, record: RawRecord, store: PageStore, name: str) -> None:
+    def __init__(self, record: RawRecord, store: PageStore, name: str, held: bool) -> None:
         self.record = record
         self.stored_nothing: Callable[[np.ndarray], np.ndarray] | None = None   # None: it holds nothing
-        if name in store.sandboxes():
+        if held:
             self.stored_nothing = lambda pages: store.page_kinds(name, pages) == int(Kind.RAW)
         self.untried_pages = 0
         self._rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []    # untried: (idx, key, check)

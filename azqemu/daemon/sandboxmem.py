@@ -273,15 +273,17 @@ class SandboxMemory:
             # Only what changed is encoded (a copy equal to its entry by XXH3-128 keeps it; an
             # incompressible page not written since stays, untried: rawrecord.py): the CPU
             # follows what the guest wrote. Within the wait's CPU budget; the rest stays.
+            held = self.name in self.store.sandboxes()      # its entries: none at its first
             kept: list[np.ndarray] = []
             taken: list[np.ndarray] = []
-            raws = RawPass(self._raw, self.store, self.name)
+            raws = RawPass(self._raw, self.store, self.name, held)
             budget, scratch = CpuBudget(), Scratch()   # the buffers are this compression's
 
             def changed() -> Iterator[tuple[np.ndarray, np.ndarray]]:
                 for part, pages in budget.chunks(self.scan.chunks(idx, scratch), taken):
                     key, check = page_hashes(pages)
-                    same = self.store.entries_match(self.name, part, key, check) & self.cow
+                    same = (self.store.entries_match(self.name, part, key, check) if self.cow and held
+                            else np.zeros(len(part), dtype=bool))
                     kept.append(part[same])
                     skip = same | raws.untried(part, key, check, same)
                     yield without_rows(part, pages, skip, scratch) if skip.any() else (part, pages)
@@ -291,12 +293,10 @@ class SandboxMemory:
             unchanged = np.concatenate(kept) if kept else np.empty(0, dtype=np.int64)
             done = np.concatenate(taken) if taken else np.empty(0, dtype=np.int64)
             self._raw, st.raw_untried_pages = raws.after(enc_raw), raws.untried_pages
-            enc_raw = self._raw.idx        # tried or not, every RAW page stays resident
-            st.unchanged_pages, st.budget_stopped = len(unchanged), budget.exceeded
-            st.left_pages = len(idx) - len(done)
+            st.unchanged_pages, st.budget_stopped, st.left_pages = len(unchanged), budget.exceeded, len(idx) - len(done)
             crash_point("after-encode")
             st.encode_s = time.perf_counter() - t1
-            st.stored_pages, st.raw_pages = len(enc_stored), len(enc_raw)
+            st.stored_pages, st.raw_pages = len(enc_stored), len(self._raw)
             self.hot_idx = hot_idx
             # Kept for the kinds of call the phase ran; what it created comes back for any kind.
             came_back = union_idx(self._faulted_from_store(), self._prefetched_idx)
@@ -310,7 +310,7 @@ class SandboxMemory:
             self.sources.assign(union_idx(stored, unchanged), self._store_src)
             t2 = time.perf_counter()
             try:
-                dropped = np.setdiff1d(done, enc_raw, assume_unique=True)
+                dropped = np.setdiff1d(done, self._raw.idx, assume_unique=True)   # RAW, tried or not, stays
                 if self.cow:
                     # Every copy goes but the incompressible ones, which stay resident.
                     self._discard_copies(dropped)
@@ -544,7 +544,7 @@ class SandboxMemory:
             self._mapped_all = True
         kinds = np.frombuffer(self.sources.kinds, dtype=np.uint8)[unmapped]
         return map_unstored(self.handle.uffd, self.block, unmapped, kinds, self.sources.index_of(self._zero_src),
-                            self.template.rows(unmapped))
+                            self.template.rows)
 
     # -- resume ---------------------------------------------------------------------------
     def prefetch(self, *, hot: bool = True, call: int | None = None, part: str = "all") -> ResumeStats:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+from collections.abc import Callable
 
 import numpy as np
 
@@ -79,14 +80,14 @@ def untouched_in_page_tables(pid: int, block: RamMapping, dropped: np.ndarray | 
 
 
 def map_unstored(uffd: int, block: RamMapping, unmapped: np.ndarray, source_kind: np.ndarray, zero_kind: int,
-                 template_rows: np.ndarray) -> int:
+                 template_rows: Callable[[np.ndarray], np.ndarray]) -> int:
     """Copy-on-write, after a drop: map the ``unmapped`` pages (sorted) that the store does not
     serve, free for the sandbox (8 bytes of page table each): those whose source is the
     template (``source_kind`` 0) from its page cache where ``template_rows`` (the template's
-    row of each, -1 for a hole) has data, as the zero page over its holes and where the source
-    is known zero (``zero_kind``). Returns the pages mapped."""
+    row of each page, -1 for a hole) finds data, as the zero page over its holes and where the
+    source is known zero (``zero_kind``). Returns the pages mapped."""
     from_template = unmapped[source_kind == 0]
-    data = template_rows[source_kind == 0] >= 0
+    data = template_rows(from_template) >= 0
     zero = union_idx(from_template[~data], unmapped[source_kind == zero_kind])
     return (map_from_file(uffd, block, from_template[data])
             + map_from_file(uffd, block, zero, zero=True))

@@ -47,13 +47,13 @@ def test_a_compression_tries_what_changed_or_what_the_store_holds_an_entry_for(t
         store.encode("s", "d", idx[2:3], np.stack([text_page(12)]), template)
         pages[1] = random_page(7)                             # page 11 written since
         key, check = page_hashes(pages)
-        rp = RawPass(record, store, "s")
+        rp = RawPass(record, store, "s", held=True)
         untried = rp.untried(idx, key, check, np.zeros(4, dtype=bool))
         assert untried.tolist() == [True, False, False, False] and rp.untried_pages == 1
         after = rp.after(np.array([11]))                      # the encode found 11 RAW again
         assert after.idx.tolist() == [10, 11] and (after.key == key[:2]).all()
         # A sandbox the store holds nothing for: every recorded page with its content is left.
-        rp = RawPass(record, store, "other")
+        rp = RawPass(record, store, "other", held=False)
         assert rp.untried(idx, *page_hashes(np.stack([random_page(1), random_page(2), random_page(3),
                                                        text_page(9)])), np.zeros(4, dtype=bool)).tolist() \
             == [True, True, True, False]
