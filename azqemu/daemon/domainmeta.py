@@ -3,7 +3,7 @@
 ``virsh dumpxml`` of a sandbox shows an ``<azq:sandbox>`` element written at creation (role,
 template, sharing domain, RAM mode). ``MetadataWriter`` keeps its changing attributes current:
 the lifecycle ``state`` (a compressed sandbox is not merely "paused"), ``policy``, ``phase``,
-``compressed`` (yes/no), ``stored-bytes`` (after each compress and resume) and the labels as
+``compressed`` (yes/no), ``stored-bytes`` (as its last compression left it) and the labels as
 ``<azq:label>`` children, as a Nova-style tool would read them.
 
 Writes go through one background thread. A state change happens under the slot's small mutex
@@ -33,11 +33,11 @@ Describe = Callable[[str], "tuple[dict[str, str], dict[str, str] | None] | None"
 Write = Callable[[str, dict[str, str], "dict[str, str] | None"], None]
 
 # How long a requested write waits for the changes that follow it. A write is three libvirt
-# calls (lookup, read, setMetadata: libvirtd rewrites the domain's status file) and the
-# sandbox's stored bytes (a pass over its sharing domain's blob rows under the store's lock).
-# Written at every change, a 16-sandbox coding-agent run made ~9 writes a compression and
-# resume, 8% of the manager's CPU (perf, session 33); half a second of staleness is nothing
-# to a tool that reads ``virsh dumpxml``.
+# calls (lookup, read, setMetadata: libvirtd rewrites the domain's status file). Written at
+# every change (and with the stored bytes counted afresh, a pass over the sharing domain's blob
+# rows under the store's lock), a 16-sandbox coding-agent run made ~9 writes a compression and
+# resume, 10% of the manager's CPU (session 33); half a second of staleness is nothing to a
+# tool that reads ``virsh dumpxml``.
 COALESCE_S = 0.5
 
 

@@ -121,9 +121,14 @@ class Manager:
         state, _reason = self.registry.state_of(name)
         st = self.registry.sched.get(name)
         mem = self.memory.get(name)
+        stored = 0
+        if mem is not None:
+            if mem.last_stored_bytes is None:      # not compressed since this daemon attached it
+                mem.last_stored_bytes = mem.stored_bytes()
+            stored = mem.last_stored_bytes
         attrs = {"state": state, "policy": rec.policy,
                  "compressed": "yes" if mem is not None and mem.compressed else "no",
-                 "stored-bytes": str(mem.stored_bytes() if mem is not None else 0)}
+                 "stored-bytes": str(stored)}
         if st is not None:
             attrs["phase"] = st.tracker.current().phase
         return attrs, (self.labels_of(name) if self.labels_of is not None else None)

@@ -363,7 +363,7 @@ class MemoryService:
             self.compress_count[rec.name] = self.compress_count.get(rec.name, 0) + 1
             encoded = max(0, st.resident_pages - st.left_pages - st.unchanged_pages - st.raw_untried_pages) * PAGE_SIZE
             self.compress_encoded_bytes[rec.name] = self.compress_encoded_bytes.get(rec.name, 0) + encoded
-        stored_bytes = mem.stored_bytes()
+        stored_bytes = mem.last_stored_bytes = mem.stored_bytes()
         self.publish(rec.name, "compress", "cancelled" if st.cancelled else "done",
                      stored_bytes=stored_bytes, stored_pages=st.stored_pages,
                      resident_pages=st.resident_pages, duration_s=round(st.total_s, 6))
