@@ -121,11 +121,9 @@ class Manager:
         state, _reason = self.registry.state_of(name)
         st = self.registry.sched.get(name)
         mem = self.memory.get(name)
-        stored = 0
-        if mem is not None:
-            if mem.last_stored_bytes is None:      # not compressed since this daemon attached it
-                mem.last_stored_bytes = mem.stored_bytes()
-            stored = mem.last_stored_bytes
+        stored = self.memory.last_stored_bytes.get(name) if mem is not None else 0
+        if stored is None and mem is not None:     # not compressed since this daemon attached it
+            stored = mem.stored_bytes()
         attrs = {"state": state, "policy": rec.policy,
                  "compressed": "yes" if mem is not None and mem.compressed else "no",
                  "stored-bytes": str(stored)}

@@ -84,6 +84,9 @@ class MemoryService:
         # ... of which its C loops ran below the guests with the rest above (AZQ_COMPRESS_LOOPS_BELOW=1)
         self.compress_cpu_loops_below_s: dict[str, float] = {}
         self.compress_count: dict[str, int] = {}     # compressions that finished, per sandbox
+        # Its bytes in the store as its last compression left them (its compress event's
+        # figure): the domain metadata shows them without a pass over the blob rows.
+        self.last_stored_bytes: dict[str, int] = {}
         # Bytes that reached the encoder, per sandbox: pages new or changed since they were
         # last stored (a copy-on-write clone's unchanged copies are skipped), i.e. about what
         # the guest wrote; what compression CPU is paid per (bench density's per-MiB figure).
@@ -283,6 +286,7 @@ class MemoryService:
         self.compress_cpu_s.pop(name, None)
         self.compress_cpu_loops_below_s.pop(name, None)
         self.compress_count.pop(name, None)
+        self.last_stored_bytes.pop(name, None)
         self.compress_encoded_bytes.pop(name, None)
         self.restore_count.pop(name, None)
         with self._cancels_mu:
@@ -363,7 +367,7 @@ class MemoryService:
             self.compress_count[rec.name] = self.compress_count.get(rec.name, 0) + 1
             encoded = max(0, st.resident_pages - st.left_pages - st.unchanged_pages - st.raw_untried_pages) * PAGE_SIZE
             self.compress_encoded_bytes[rec.name] = self.compress_encoded_bytes.get(rec.name, 0) + encoded
-        stored_bytes = mem.last_stored_bytes = mem.stored_bytes()
+        stored_bytes = self.last_stored_bytes[rec.name] = mem.stored_bytes()
         self.publish(rec.name, "compress", "cancelled" if st.cancelled else "done",
                      stored_bytes=stored_bytes, stored_pages=st.stored_pages,
                      resident_pages=st.resident_pages, duration_s=round(st.total_s, 6))

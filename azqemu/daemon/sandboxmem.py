@@ -150,9 +150,6 @@ class SandboxMemory:
         self.registered = False
         self._mapped_all = False      # a compression mapped every untouched page (_map_unstored)
         self.compressed = False
-        # Its bytes in the store as its last compression left them (the compress event's
-        # figure, memsvc): the domain metadata shows it without a pass over the blob rows.
-        self.last_stored_bytes: int | None = None
         self.hot_idx = np.empty(0, dtype=np.int64)
         self._prefetched_idx = np.empty(0, dtype=np.int64)
         self.calls = CallKinds(pages)      # the hot set per kind of tool call
