@@ -96,22 +96,22 @@ class MetadataWriter:
         except Exception:  # noqa: BLE001 - a view must never take the daemon down
             log.warning("%s: metadata not updated", name, exc_info=True)
 
-    def _next_due(self) -> str | None:
-        """Under the condition: the name to write now, if any (the first requested is the
-        first due: every name waits the same time)."""
+    def _first_due(self) -> tuple[str | None, float | None]:
+        """Under the condition: the first requested name (the first due: every name waits
+        the same time) and the seconds until it is due, 0 when it is (or a flush waits);
+        (None, None) when none waits."""
         if not self._pending:
-            return None
+            return None, None
         name, due = next(iter(self._pending.items()))
-        return name if self._flushing or due <= time.monotonic() else None
+        return name, 0.0 if self._flushing else max(0.0, due - time.monotonic())
 
     def _run(self) -> None:
         while True:
             with self._cv:
-                name = self._next_due()
-                while name is None and not self._stop:
-                    wait_s = next(iter(self._pending.values())) - time.monotonic() if self._pending else None
-                    self._cv.wait(timeout=None if wait_s is None else max(wait_s, 0.001))
-                    name = self._next_due()
+                name, wait_s = self._first_due()
+                while not self._stop and wait_s != 0.0:
+                    self._cv.wait(timeout=wait_s)
+                    name, wait_s = self._first_due()
                 if self._stop or name is None:
                     return
                 del self._pending[name]

@@ -121,9 +121,10 @@ class Manager:
         state, _reason = self.registry.state_of(name)
         st = self.registry.sched.get(name)
         mem = self.memory.get(name)
-        stored = self.memory.last_stored_bytes.get(name) if mem is not None else 0
-        if stored is None and mem is not None:     # not compressed since this daemon attached it
-            stored = mem.stored_bytes()
+        stored = 0
+        if mem is not None:
+            last = self.memory.last_stored_bytes.get(name)   # None: not compressed since attached
+            stored = mem.stored_bytes() if last is None else last
         attrs = {"state": state, "policy": rec.policy,
                  "compressed": "yes" if mem is not None and mem.compressed else "no",
                  "stored-bytes": str(stored)}
