@@ -368,6 +368,10 @@ class MemoryService:
             encoded = max(0, st.resident_pages - st.left_pages - st.unchanged_pages - st.raw_untried_pages) * PAGE_SIZE
             self.compress_encoded_bytes[rec.name] = self.compress_encoded_bytes.get(rec.name, 0) + encoded
         stored_bytes = self.last_stored_bytes[rec.name] = mem.stored_bytes()
+        log.debug("%s: compressed %d of %d resident pages, %d mapped back; scan %.4f s, encode %.4f s, "
+                  "drop %.4f s, total %.4f s, CPU %.4f s%s", rec.name, st.stored_pages, st.resident_pages,
+                  st.mapped_pages, st.scan_s, st.encode_s, st.punch_s, st.total_s, cpu_s,
+                  " (cancelled)" if st.cancelled else "")
         self.publish(rec.name, "compress", "cancelled" if st.cancelled else "done",
                      stored_bytes=stored_bytes, stored_pages=st.stored_pages,
                      resident_pages=st.resident_pages, duration_s=round(st.total_s, 6))

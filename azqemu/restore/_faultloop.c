@@ -44,7 +44,7 @@
 #define AROUND_SPAN (2ull << 20)
 #define AROUND_MAX_IOCTLS 32
 
-int azq_faultloop_abi(void) { return 4; }
+int azq_faultloop_abi(void) { return 5; }
 
 /* The store's lookup (memory/_storeview.c azq_view_decode_inplace): 0 when out holds the
  * verified page. */
@@ -509,6 +509,56 @@ void azq_fp_stop(azq_fp *fp)
     fp->started = 0;
     uint64_t drain;
     unused = read(fp->stop_fd, &drain, sizeof(drain));
+}
+
+/*
+ * Map-back at compress time (restore/mapback.py map_from_file): UFFDIO_CONTINUE, or with
+ * `zero` UFFDIO_ZEROPAGE, over each run of pages [first[r], first[r] + count[r]) of the
+ * block mapped at `hva`, waking any waiter as the Python loop did. A page mapped already
+ * (EEXIST) is skipped; a hole of the template file (EFAULT from CONTINUE) gets the zero page
+ * (an error there is ignored: its first touch maps it). One call for every run: a compression
+ * maps back hundreds of runs, and each ioctl made from Python cost ~6 us of interpreter on top
+ * of the kernel's work. Returns the pages mapped, or -1 with *err (errno) and *err_page (the
+ * page it stopped at) on any other error, as the Python loop raised.
+ */
+int64_t azq_map_runs(int uffd, uint64_t hva, uint64_t page_size, const int64_t *first, const int64_t *count,
+                     int64_t nruns, int zero, int *err, int64_t *err_page)
+{
+    int64_t mapped = 0;
+    for (int64_t r = 0; r < nruns; r++) {
+        int64_t page = first[r], end = first[r] + count[r];
+        while (page < end) {
+            uint64_t start = hva + (uint64_t)page * page_size, len = (uint64_t)(end - page) * page_size;
+            int64_t done;
+            int rc;
+            if (zero) {
+                struct uffdio_zeropage z = {{start, len}, 0, 0};
+                rc = ioctl(uffd, UFFDIO_ZEROPAGE, &z);
+                done = rc == 0 ? (int64_t)len : z.zeropage;
+            } else {
+                struct uffdio_continue c = {{start, len}, 0, 0};
+                rc = ioctl(uffd, UFFDIO_CONTINUE, &c);
+                done = rc == 0 ? (int64_t)len : c.mapped;
+            }
+            if (done > 0) {                 /* all of it, or up to the page it stopped at */
+                mapped += done / (int64_t)page_size;
+                page += done / (int64_t)page_size > 0 ? done / (int64_t)page_size : 1;
+                continue;
+            }
+            int e = errno;
+            if (!zero && e == EFAULT) {     /* a hole: nothing in the page cache */
+                struct uffdio_zeropage z = {{start, page_size}, 0, 0};
+                if (ioctl(uffd, UFFDIO_ZEROPAGE, &z) == 0)
+                    mapped++;
+            } else if (e != EEXIST) {
+                *err = e;
+                *err_page = page;
+                return -1;
+            }
+            page++;
+        }
+    }
+    return mapped;
 }
 
 void azq_fp_free(azq_fp *fp)

@@ -16,6 +16,7 @@ import numpy as np
 
 from azqemu.host.pagemap import unmapped_pages
 from azqemu.pages import page_runs, union_idx, unique_idx
+from azqemu.restore import native
 from azqemu.restore import uffd as uffd_ops
 from azqemu.restore.errors import UffdIoctlError
 from azqemu.restore.export import RamMapping
@@ -34,8 +35,10 @@ def map_from_file(uffd: int, block: RamMapping, page_idxs: np.ndarray, *, zero: 
     if len(idx) > 1 and not bool((idx[1:] > idx[:-1]).all()):   # callers mostly pass sorted sets
         idx = unique_idx(idx)
     ps = block.page_size
-    mapped = 0
     starts, lengths = page_runs(idx)
+    if native.available():          # the same loop in C: a compression maps back hundreds of runs
+        return native.map_runs(uffd, block.hva, ps, starts, lengths, zero=zero)
+    mapped = 0
     for first, count in zip(starts.tolist(), lengths.tolist(), strict=True):
         page, end = first, first + count
         while page < end:

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from azqemu.pages import PAGE_SIZE
+from azqemu.restore.errors import UffdIoctlError
 from azqemu.restore.export import RamMapping
 from azqemu.restore.source import (
     CompositeSource,
@@ -29,7 +30,7 @@ from azqemu.restore.source import (
     ZeroSource,
 )
 
-ABI = 4
+ABI = 5
 _V, _U64, _I64, _I = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64, ctypes.c_int
 EV_FAULT, EV_REMOVE = 1, 2
 # Counter order of azq_fp_counters (C_* in _faultloop.c).
@@ -66,7 +67,8 @@ def _load() -> Any | None:
                 ("azq_fp_record", [_V, _I64], None), ("azq_fp_samples", [_V], _U64),
                 ("azq_fp_reset_samples", [_V], None), ("azq_fp_counters", [_V, _V], None),
                 ("azq_fp_pop", [_V, _V, _I], _I), ("azq_fp_fwd_fd", [_V], _I), ("azq_fp_alive", [_V], _I),
-                ("azq_fp_start", [_V, _I], _I), ("azq_fp_stop", [_V], None)):
+                ("azq_fp_start", [_V, _I], _I), ("azq_fp_stop", [_V], None),
+                ("azq_map_runs", [_I, _U64, _U64, _V, _V, _I64, _I, _V, _V], _I64)):
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, res
         return lib
@@ -82,6 +84,20 @@ HOT_MAPS_PINNED = 4          # the handler alternates two per block; more means 
 
 def available() -> bool:
     return LIB is not None
+
+
+def map_runs(uffd: int, hva: int, page_size: int, first: np.ndarray, count: np.ndarray, *, zero: bool) -> int:
+    """mapback.map_from_file's loop in C (azq_map_runs): every run of pages mapped in one call.
+    Returns the pages mapped; raises UffdIoctlError as the Python loop does."""
+    first = np.ascontiguousarray(first, dtype=np.int64)
+    count = np.ascontiguousarray(count, dtype=np.int64)
+    err, err_page = ctypes.c_int(0), ctypes.c_int64(0)
+    n = int(LIB.azq_map_runs(uffd, hva, page_size, first.ctypes.data, count.ctypes.data, len(first), int(zero),
+                             ctypes.byref(err), ctypes.byref(err_page)))
+    if n < 0:
+        raise UffdIoctlError("UFFDIO_ZEROPAGE" if zero else "UFFDIO_CONTINUE", err.value,
+                             hva + err_page.value * page_size, page_size)
+    return n
 
 
 class StoreViews:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import mmap
 import os
 import threading
@@ -521,6 +522,10 @@ def test_copy_on_write_pages_come_back_by_copy_continue_and_zeropage() -> None:
             assert map_from_file(ram.handle.uffd, ram.block, tpl) == 4
             assert map_from_file(ram.handle.uffd, ram.block, np.array([9]), zero=True) == 1
             assert map_from_file(ram.handle.uffd, ram.block, tpl) == 0   # mapped already
+            # Past the registered range: the kernel's error is raised, not skipped.
+            with pytest.raises(UffdIoctlError) as err:
+                map_from_file(ram.handle.uffd, ram.block, np.array([ram.pages + 64]))
+            assert err.value.errno not in (0, errno.EEXIST, errno.EFAULT)
             faults = h.stats().faults
             assert [ram.read(i) for i in (0, 3, 9)] == [pattern(0), pattern(3), bytes(PS)]
             assert h.stats().faults == faults
