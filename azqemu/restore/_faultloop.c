@@ -517,9 +517,9 @@ void azq_fp_stop(azq_fp *fp)
  * block mapped at `hva`, waking any waiter as the Python loop did. A page mapped already
  * (EEXIST) is skipped; a hole of the template file (EFAULT from CONTINUE) gets the zero page
  * (an error there is ignored: its first touch maps it). One call for every run: a compression
- * maps back hundreds of runs, and each ioctl made from Python cost ~6 us of interpreter on top
- * of the kernel's work. Returns the pages mapped, or -1 with *err (errno) and *err_page (the
- * page it stopped at) on any other error, as the Python loop raised.
+ * maps back hundreds of runs, and each run made from Python cost ~3 us of interpreter on top
+ * of the kernel's work (docs/figures.md, session 34). Returns the pages mapped, or -1 with *err
+ * (errno) and *err_page (the page it stopped at) on any other error, as the Python loop raised.
  */
 int64_t azq_map_runs(int uffd, uint64_t hva, uint64_t page_size, const int64_t *first, const int64_t *count,
                      int64_t nruns, int zero, int *err, int64_t *err_page)
