@@ -280,24 +280,31 @@ static uint8_t action_at(fp_block *b, uint64_t page)
     return __atomic_load_n(&b->action[b->kinds[k]], __ATOMIC_ACQUIRE);
 }
 
-/* UFFDIO_CONTINUE or UFFDIO_ZEROPAGE over [start, start + len), waking nobody (no thread
- * waits on these pages): the bytes mapped before the first page it stopped at. */
-static uint64_t map_range(azq_fp *fp, int act, uint64_t start, uint64_t len, int *err)
+/* UFFDIO_CONTINUE (or, `zero`, UFFDIO_ZEROPAGE) over [start, start + len), waking waiters
+ * unless `dontwake`: the bytes mapped before the first page it stopped at (all of them, or
+ * *err set to the errno it stopped with). */
+static uint64_t fill_range(int uffd, int zero, uint64_t start, uint64_t len, int dontwake, int *err)
 {
     int64_t done;
-    if (act == A_CONTINUE) {
-        struct uffdio_continue c = {{start, len}, UFFDIO_CONTINUE_MODE_DONTWAKE, 0};
-        if (ioctl(fp->uffd, UFFDIO_CONTINUE, &c) == 0)
+    if (!zero) {
+        struct uffdio_continue c = {{start, len}, dontwake ? UFFDIO_CONTINUE_MODE_DONTWAKE : 0, 0};
+        if (ioctl(uffd, UFFDIO_CONTINUE, &c) == 0)
             return len;
         done = c.mapped;
     } else {
-        struct uffdio_zeropage z = {{start, len}, UFFDIO_ZEROPAGE_MODE_DONTWAKE, 0};
-        if (ioctl(fp->uffd, UFFDIO_ZEROPAGE, &z) == 0)
+        struct uffdio_zeropage z = {{start, len}, dontwake ? UFFDIO_ZEROPAGE_MODE_DONTWAKE : 0, 0};
+        if (ioctl(uffd, UFFDIO_ZEROPAGE, &z) == 0)
             return len;
         done = z.zeropage;
     }
     *err = errno;
     return done > 0 ? (uint64_t)done : 0;
+}
+
+/* map_around's ranges: nobody waits on these pages, so nobody is woken. */
+static uint64_t map_range(azq_fp *fp, int act, uint64_t start, uint64_t len, int *err)
+{
+    return fill_range(fp->uffd, act != A_CONTINUE, start, len, 1, err);
 }
 
 /*
@@ -528,28 +535,18 @@ int64_t azq_map_runs(int uffd, uint64_t hva, uint64_t page_size, const int64_t *
     for (int64_t r = 0; r < nruns; r++) {
         int64_t page = first[r], end = first[r] + count[r];
         while (page < end) {
-            uint64_t start = hva + (uint64_t)page * page_size, len = (uint64_t)(end - page) * page_size;
-            int64_t done;
-            int rc;
-            if (zero) {
-                struct uffdio_zeropage z = {{start, len}, 0, 0};
-                rc = ioctl(uffd, UFFDIO_ZEROPAGE, &z);
-                done = rc == 0 ? (int64_t)len : z.zeropage;
-            } else {
-                struct uffdio_continue c = {{start, len}, 0, 0};
-                rc = ioctl(uffd, UFFDIO_CONTINUE, &c);
-                done = rc == 0 ? (int64_t)len : c.mapped;
-            }
-            if (done > 0) {                 /* all of it, or up to the page it stopped at */
-                mapped += done / (int64_t)page_size;
-                page += done / (int64_t)page_size > 0 ? done / (int64_t)page_size : 1;
+            uint64_t start = hva + (uint64_t)page * page_size;
+            int e = 0;
+            int64_t n = (int64_t)(fill_range(uffd, zero, start, (uint64_t)(end - page) * page_size, 0, &e)
+                                  / page_size);
+            if (n > 0) {                    /* all of it, or up to the page it stopped at */
+                mapped += n;
+                page += n;
                 continue;
             }
-            int e = errno;
             if (!zero && e == EFAULT) {     /* a hole: nothing in the page cache */
-                struct uffdio_zeropage z = {{start, page_size}, 0, 0};
-                if (ioctl(uffd, UFFDIO_ZEROPAGE, &z) == 0)
-                    mapped++;
+                int ignored = 0;
+                mapped += fill_range(uffd, 1, start, page_size, 0, &ignored) == page_size;
             } else if (e != EEXIST) {
                 *err = e;
                 *err_page = page;
