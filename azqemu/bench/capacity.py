@@ -58,6 +58,7 @@ from typing import Any
 import numpy as np
 
 from azqemu.errors import ConfigError
+from azqemu.richout import table_console
 from azqemu.units import GIB, KIB, MIB, fmt_mib
 
 POLICY_ORDER = ("none", "none-cow", "linux", "agentzip")
@@ -461,9 +462,9 @@ def rich_tables(result: dict[str, Any]) -> list[Any]:
 
 
 def print_table(result: dict[str, Any], console: Any = None) -> None:
-    from rich.console import Console
-    con = console or Console()
-    for t in rich_tables(result):
+    tables = rich_tables(result)
+    con = console or table_console(*tables)
+    for t in tables:
         con.print(t)
 
 

@@ -38,6 +38,7 @@ from typing import Any
 
 from azqemu.bench import hostcpu, toolcalls
 from azqemu.errors import ConfigError
+from azqemu.richout import table_console
 from azqemu.units import MIB, fmt_mib
 
 # Known policies first, in this order; others follow alphabetically.
@@ -312,9 +313,9 @@ def rich_table(result: dict[str, Any]) -> Any:
 
 
 def print_table(result: dict[str, Any], console: Any = None) -> None:
-    from rich.console import Console
-    console = console or Console()
-    console.print(rich_table(result))
+    table = rich_table(result)
+    console = console or table_console(table)
+    console.print(table)
     for line in spread_lines(result):
         console.print(line, highlight=False)
 

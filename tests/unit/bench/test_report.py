@@ -126,6 +126,24 @@ def test_rich_table_prints() -> None:
     assert "coding-agent" in out and "azqemu" in out and "16.0×" in out
 
 
+def test_table_to_a_log_prints_whole(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Printed to a log or a pipe (``make demo > demo.log``), the density table is as wide as it
+    is: rich would squeeze it into 80 columns and cut its headers to "×c…" and "sl…"."""
+    monkeypatch.delenv("FORCE_COLOR", raising=False)
+    monkeypatch.delenv("TTY_COMPATIBLE", raising=False)
+    monkeypatch.delenv("COLUMNS", raising=False)
+    report.print_table(with_host_cost(synthetic()))
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if "policy" in line)
+    assert "…" not in header and "×cow" in header and "qemu" in header and "slow" in header
+    assert max(len(line) for line in out.splitlines()) > 80
+    # A terminal keeps its own width.
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    monkeypatch.setenv("COLUMNS", "80")
+    report.print_table(with_host_cost(synthetic()))
+    assert max(len(line) for line in capsys.readouterr().out.splitlines() if "\x1b" not in line) <= 80
+
+
 def test_write_report_files(tmp_path: Path) -> None:
     files = report.write_report(synthetic(), tmp_path / "out")
     data = json.loads(files.json.read_text())
