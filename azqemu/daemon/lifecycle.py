@@ -267,6 +267,7 @@ class Lifecycle:
             except BaseException as exc:
                 slot.to(State.FAILED, f"destroy failed: {type(exc).__name__}: {exc}")
                 raise
+            self.memory.domain_gone(name)
             self.reg.forget(name)
             self.publish(name, "destroyed", f"by azqemu (was {was.value})", state=was.value,
                          duration_s=round(time.perf_counter() - t0, 6))

@@ -299,6 +299,14 @@ class MemoryService:
             self.drop_template(gone)
         selfmem.trim_heap()
 
+    def domain_gone(self, name: str) -> None:
+        """The domain of ``name`` is gone (destroyed, or ended by itself and released): the
+        tombstone its destroy left has done its work and goes at the next flush. Until then a
+        daemon kept every name it ever destroyed, and wrote them all into every generation of
+        the store (one a compression), until a restart's reconcile dropped them."""
+        if self.store_root.exists():
+            self.store.clear_tombstone(name)
+
     def _free_entries(self, name: str, why: str, *, tombstone: bool = False) -> None:
         log.info("freeing the stored pages of %s (%s)", name, why)
         self.store.free_sandbox(name, tombstone=tombstone)

@@ -119,6 +119,7 @@ class DomainWatcher:
             log.warning("sandbox %s ended outside azqemu (%s, domain %s): releasing it", name, cause, state)
             self.memory.cancel(name, for_good=True)
             self.memory.release(name)
+            self.memory.domain_gone(name)       # not live: its tombstone has nothing to guard
             remove_vm_dir(name)
             reg.sandboxes.remove(name)
             # Last: a slot asked for meanwhile is made again from the record while it exists,

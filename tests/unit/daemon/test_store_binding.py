@@ -80,6 +80,25 @@ def test_destroy_interrupted_after_its_free_fails_the_sandbox(registry: Registry
     assert mem2.store.tombstones() == {}
 
 
+def test_tombstone_goes_once_the_domain_is_gone(memory: MemoryService) -> None:
+    """A destroy's tombstone guards the moment between its free and the domain's end; after
+    that a daemon that runs for weeks must not keep (and write into every generation) the
+    name of every sandbox it ever destroyed."""
+    mem = RecordingMemory(memory)
+    for i in range(3):
+        _store_pages(mem, f"x-{i}", f"uuid-{i}")
+        mem.release(f"x-{i}")                       # a destroy: pages freed, name tombstoned
+    assert mem.store.tombstones() == {"x-0": "uuid-0", "x-1": "uuid-1", "x-2": "uuid-2"}
+    mem.domain_gone("x-0")
+    mem.domain_gone("x-1")
+    mem.domain_gone("never-stored")                 # nothing to forget: no error
+    assert mem.store.tombstones() == {"x-2": "uuid-2"}
+    mem.store.flush()
+    mem.store.close()
+    again = MemoryService(memory.cfg, memory.templates, memory.sandboxes, lazy_available=False)
+    assert again.store.tombstones() == {"x-2": "uuid-2"}     # durable from the next generation on
+
+
 def test_unreadable_store_is_quarantined_and_its_sandboxes_failed(registry: Registry, memory: MemoryService,
                                                                   host: Any, sandbox_meta_of: Any,
                                                                   template: TemplateMeta) -> None:
