@@ -105,7 +105,8 @@ class BlobTable:
         if d is None:
             if not create:
                 raise KeyError(name)
-            did = max(self.domain_by_id, default=-1) + 1
+            # The lowest free number: domains come and go (drop_empty_domains) for the store's life.
+            did = next(i for i in range(len(self.domain_by_id) + 1) if i not in self.domain_by_id)
             if did >= MAX_DOMAINS:
                 raise ValueError("too many sharing domains")
             d = DomainState(name, did, template_id)
@@ -197,6 +198,20 @@ class BlobTable:
         domain's next encode. Its ids wait in the quarantine as any freed id does."""
         if not (self.live_mask() & (self.rows["domain"][:self.n] == d.did)).any():
             _clear_indices(d)
+
+    def drop_empty_domains(self) -> bool:
+        """Forget the domains that hold no sandbox and no live blob (their last sandbox went);
+        an encode into one makes it again, and its number may go to another. Returns whether
+        any went. The caller holds off every encode (one may be filling a domain it made)."""
+        empty = [d for d in self.domains.values() if not d.sandboxes]
+        if not empty:
+            return False
+        live_dids = set(np.unique(self.rows["domain"][:self.n][self.live_mask()]).tolist())
+        gone = [d for d in empty if d.did not in live_dids]
+        for d in gone:
+            del self.domains[d.name]
+            del self.domain_by_id[d.did]
+        return bool(gone)
 
     def reset_if_empty(self) -> bool:
         """With no live blob left, go back to the first size: the rows grown for a fleet of

@@ -183,6 +183,7 @@ class PageStore(StoreWriter, StoreBooks):
         with self._lock:
             if all(sb.template_id != template_id for sb in self._sandboxes.values()):
                 self._templates.pop(template_id, None)
+        self._tidy()        # its record goes with the last domain that names it
 
     def _template(self, template_id: str) -> TemplateImage:
         t = self._templates.get(template_id)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from azqemu.memory.arena import ArenaSet
 from azqemu.memory.blobtable import BlobTable
@@ -54,6 +54,9 @@ from azqemu.memory.generation import (
 )
 from azqemu.memory.persist import RESERVE_FILE, StoreFull, ensure_reserve, is_no_space, release_reserve
 
+if TYPE_CHECKING:
+    from azqemu.memory.template import TemplateImage
+
 log = logging.getLogger(__name__)
 
 
@@ -70,6 +73,7 @@ class StoreWriter:
     _arenas: ArenaSet
     _sandboxes: dict[str, StoredSandbox]
     _template_paths: dict[str, dict[str, Any]]
+    _templates: dict[str, TemplateImage]   # the images loaded (add_template; drop_template lets go)
     _dirty: set[str]
     _tombstones: dict[str, str | None]
     _changed: bool                      # anything to write since the last snapshot
@@ -146,13 +150,17 @@ class StoreWriter:
                     return
         finally:
             self._compact_lock.release()
-        if not self._sandboxes:
-            self._reset_if_empty()
+        self._tidy()
 
-    def _reset_if_empty(self) -> None:
-        """The last sandbox went: the blob table shrinks back (BlobTable.reset_if_empty), so
-        a manager that served a fleet returns to its idle memory. Not while an encode or a
-        compaction holds blob ids (a compaction looks again as it ends, ``_maybe_compact``)."""
+    def _tidy(self) -> None:
+        """Books that outlived what they describe go, so that a manager that served a fleet
+        returns to its idle memory and a daemon that runs for weeks, through templates made and
+        deleted, does not keep (and write into every generation) a record of each:
+        - the last sandbox went: the blob table shrinks back (BlobTable.reset_if_empty);
+        - a sharing domain whose last sandbox went (BlobTable.drop_empty_domains);
+        - a template no sandbox and no domain uses that the manager let go of (drop_template).
+        Not while an encode (its domain may have no sandbox until it commits) or a compaction
+        holds blob ids: the next free or encode looks again."""
         if not self._encode_lock.acquire(blocking=False):
             return
         try:
@@ -161,6 +169,13 @@ class StoreWriter:
             try:
                 with self._lock:
                     if not self._sandboxes and self._table.reset_if_empty():
+                        self._changed = True
+                    if self._table.drop_empty_domains():
+                        self._changed = True
+                    used = ({sb.template_id for sb in self._sandboxes.values()}
+                            | {d.template_id for d in self._table.domains.values()} | set(self._templates))
+                    for t_id in [t for t in self._template_paths if t not in used]:
+                        del self._template_paths[t_id]
                         self._changed = True
             finally:
                 self._compact_lock.release()

@@ -19,8 +19,9 @@ from azqemu.memory import arena as arena_mod
 from azqemu.memory import persist
 from azqemu.memory.arena import ARENA_HEADER_BYTES
 from azqemu.memory.kinds import PAGE_SIZE
-from azqemu.memory.persist import StoreFull
+from azqemu.memory.persist import STORE_FILE, StoreFull, read_store
 from azqemu.memory.store import PageStore
+from azqemu.memory.template import TemplateImage
 
 from .conftest import SMALL_ARENA, text_page
 
@@ -225,6 +226,34 @@ def test_owner_binds_entries_and_tombstones_persist(store_dir, small_template) -
         s.encode("x", "d", idx, _pages(2, 10), small_template, owner="uuid-2")
         assert s.tombstones() == {} and s.owner_of("x") == "uuid-2"
         s.flush()
+
+
+def test_domains_and_templates_nothing_uses_go(store_dir, small_template, small_set) -> None:
+    """A daemon that runs for weeks, through templates made and deleted, keeps no record of
+    the sharing domains and templates it is done with (nor writes them into every generation);
+    the pages it still holds decode exactly, and a domain made later takes a free number."""
+    other = TemplateImage(page_idx=small_set.template_idx, pages=small_set.template_pages ^ np.uint8(0x5A),
+                          size_bytes=small_set.size_bytes)
+    idx = np.arange(10, dtype=np.int64)
+    with PageStore(store_dir, arena_bytes=SMALL_ARENA) as s:
+        s.encode("a", "d1", idx, _pages(1, 10), small_template)
+        s.encode("b", "d2", idx, _pages(2, 10), other)
+        s.encode("c", "d1", idx + 20, _pages(3, 10), small_template)
+        s.drop_template(other.template_id)          # still used by b: kept
+        s.free_sandbox("b", tombstone=True)         # d2's last sandbox
+        assert s.domains() == ["d1"]
+        s.drop_template(other.template_id)          # the template was deleted
+        s.flush()
+    meta, _ = read_store(store_dir / STORE_FILE)
+    assert [d["name"] for d in meta["domains"]] == ["d1"] and list(meta["templates"]) == [small_template.template_id]
+    for name, at, seed in (("a", idx, 1), ("c", idx + 20, 3)):
+        got_idx, got = _decode_all(store_dir, small_template, name)
+        assert np.array_equal(got_idx, at) and np.array_equal(got, _pages(seed, 10))
+    with PageStore(store_dir, templates=(small_template,)) as s:
+        s.encode("e", "d3", idx, _pages(4, 10), small_template)   # number 1 again, d2's
+        s.flush()
+    got_idx, got = _decode_all(store_dir, small_template, "e")
+    assert np.array_equal(got, _pages(4, 10))
 
 
 @pytest.fixture
