@@ -200,6 +200,7 @@ class MemoryService:
             in_use = any(i.template_id == img.template_id for _, i in self._template_images.values())
         if self._store is not None and not in_use:
             self._store.drop_template(img.template_id)
+            self._flush_books("a deleted template")
         if close:
             img.close()
         selfmem.trim_heap()
@@ -306,6 +307,15 @@ class MemoryService:
         the store (one a compression), until a restart's reconcile dropped them."""
         if self.store_root.exists():
             self.store.clear_tombstone(name)
+            self._flush_books("a destroyed name")
+
+    def _flush_books(self, what: str) -> None:
+        """Commit the store's books now that ``what`` left them (nothing to write: no-op). A
+        failure only delays it to the next commit: nothing the guests need is in it."""
+        try:
+            self.store.flush()
+        except StoreError as exc:
+            log.warning("the store's record of %s stays until its next commit: %s", what, exc)
 
     def _free_entries(self, name: str, why: str, *, tombstone: bool = False) -> None:
         log.info("freeing the stored pages of %s (%s)", name, why)
