@@ -137,8 +137,13 @@ def test_a_reused_name_in_another_tenant_never_reads_the_old_pages(template: str
         print(f"\nname reuse across tenants: {TOTALS}")
     finally:
         c.destroy(name=name)
-    names, _, _ = _store_names()
+    names, tombstones, rows = _store_names()
     assert name not in names
+    # The domain is gone: its tombstone too, and tenant B's sharing domain with its last sandbox
+    # (a daemon that runs for weeks keeps no record of either).
+    assert name not in tombstones
+    meta, _ = read_store(config_mod.load().shm_dir / "store" / STORE_FILE)
+    assert not any(d["name"].startswith("tenantB@") for d in meta["domains"])
 
 
 def test_template_made_again_under_its_name_never_mixes_images(daemon: dict) -> None:
