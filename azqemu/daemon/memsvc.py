@@ -302,9 +302,9 @@ class MemoryService:
 
     def domain_gone(self, name: str) -> None:
         """The domain of ``name`` is gone (destroyed, or ended by itself and released): the
-        tombstone its destroy left has done its work and goes at the next flush. Until then a
-        daemon kept every name it ever destroyed, and wrote them all into every generation of
-        the store (one a compression), until a restart's reconcile dropped them."""
+        tombstone its destroy left has done its work and goes, committed now. Before, a daemon
+        kept every name it ever destroyed and wrote them all into every generation of the store
+        (one a compression), until a restart's reconcile dropped them."""
         if self.store_root.exists():
             self.store.clear_tombstone(name)
             self._flush_books("a destroyed name")
