@@ -48,10 +48,13 @@ def _fresh_pages_zero(name: str) -> None:
 
 
 
+# after-reclaim: the first generation the restarted daemon writes is the compression's commit
+# (it starts with nothing to commit: a destroy's tombstone goes with its domain). It was @2
+# while earlier tests' tombstones made the restart write one first; alone, the test then failed.
 @pytest.mark.parametrize(("ram_mode", "point"), [
     ("lazy", "after-discard-batch@2"), ("lazy", "after-flush"), ("lazy", "after-encode"),
     ("cow", "after-discard-batch"), ("cow", "between-generation-files"), ("cow", "after-drop"),
-    ("eager", "after-discard-batch@3"), ("eager", "after-commit"), ("lazy", "after-reclaim@2")])
+    ("eager", "after-discard-batch@3"), ("eager", "after-commit"), ("lazy", "after-reclaim")])
 def test_manager_killed_during_compress_loses_no_page(template: str, daemon: dict, ram_mode: str,
                                                       point: str) -> None:
     c = Client()
