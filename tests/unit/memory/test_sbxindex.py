@@ -100,3 +100,19 @@ def test_replacing_rows_equals_rebuilding_the_index(before, remove, added) -> No
     np.testing.assert_array_equal(gr, xr)
     for q in list(expect)[:20]:
         assert new.lookup_one(q) is not None and new.lookup_one(q)[0] == expect[q][0]
+
+
+def test_map_ends_at_its_highest_page_after_removals() -> None:
+    # A copy-on-write clone's map empties at every map-back: an emptied map holds nothing
+    # (it was 32 KiB of zeros for a 512 MiB sandbox), one that lost its top ends at the rest.
+    p = np.array([5, 1000, 131_000], dtype=np.int64)
+    k = np.array([int(Kind.ZERO), int(Kind.TEMPLATE), int(Kind.ZERO)], dtype=np.uint8)
+    none = np.zeros(0, dtype=np.int64)
+    idx, _ = SandboxIndex.empty().replaced(p, p, k, np.zeros(3, np.uint8), np.zeros(3, np.uint32))
+    assert len(idx.zt) == 131_000 // 4 + 1
+    top_gone, _ = idx.replaced(p[2:], none, none, none, none)
+    assert len(top_gone.zt) == 1000 // 4 + 1 and top_gone.nbytes == len(top_gone.zt)
+    assert top_gone.lookup_one(1000) == (int(Kind.TEMPLATE), 0, 0) and top_gone.lookup_one(131_000) is None
+    emptied, (gk, _, _) = top_gone.replaced(p[:2], none, none, none, none)
+    assert emptied.zt == bytearray() and emptied.nbytes == 0 and emptied.n_pages == 0 and len(gk) == 2
+    assert SandboxIndex.from_parts(bytes(emptied.zt), emptied.to_records()).check() is None
