@@ -18,6 +18,7 @@ zstd run saved (`docs/memory.md`, "Attempts that pay").
 
 from __future__ import annotations
 
+import random
 import threading
 
 import numpy as np
@@ -42,7 +43,8 @@ class AttemptOdds:
         self._lock = threading.Lock()
         self.tries = np.zeros(ATTEMPT_SLOTS)
         self.saved = np.zeros(ATTEMPT_SLOTS)
-        self._rng = np.random.default_rng()
+        # The stdlib's generator: numpy.random would stay loaded in the manager (1.7 MiB) for a seed.
+        self._rng = random.Random()
 
     def table(self) -> np.ndarray:
         """uint8 odds per slot: 255 (always) where the attempt pays or is not measured yet."""
@@ -52,7 +54,7 @@ class AttemptOdds:
 
     def seed(self) -> int:
         with self._lock:
-            return int(self._rng.integers(1, 2**32))
+            return self._rng.randrange(1, 2**32)
 
     def note(self, astats: np.ndarray) -> None:
         """Add a batch's (tries, saved bytes) pairs (the C loop's astats)."""

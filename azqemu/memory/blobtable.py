@@ -29,7 +29,7 @@ import numpy as np
 from azqemu.memory.attempts import AttemptOdds
 from azqemu.memory.kinds import Method, RefType
 from azqemu.memory.simindex import LayeredIndex, SimilarityIndex
-from azqemu.pages import unique_counts
+from azqemu.pages import unique_counts, unique_idx
 
 BLOB_DTYPE = np.dtype([("key", "<u8"), ("check", "<u8"), ("offset", "<u4"), ("ref", "<u4"),
                        ("refcount", "<u4"), ("arena", "<u2"), ("length", "<u2"), ("domain", "<u2"),
@@ -206,7 +206,7 @@ class BlobTable:
         empty = [d for d in self.domains.values() if not d.sandboxes]
         if not empty:
             return False
-        live_dids = set(np.unique(self.rows["domain"][:self.n][self.live_mask()]).tolist())
+        live_dids = set(unique_idx(self.rows["domain"][:self.n][self.live_mask()]).tolist())
         gone = [d for d in empty if d.did not in live_dids]
         for d in gone:
             del self.domains[d.name]
