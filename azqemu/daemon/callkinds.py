@@ -30,12 +30,19 @@ found already present are remembered (``note_early``) and placed before the vCPU
 next time (``early``), up to ``MAX_EARLY_PAGES``: a few milliseconds in place of as many faults.
 
 A prediction is not always worth placing. A prefetched page the call does not touch is held
-until a trim finds it cold; one it does touch saves a fault (~100 us of guest stall here). For
-a kind whose last call ran long (5 s and more), when the faults its whole set could save are
-under a tenth of the call while every unused page is held for much of it, such a resume places
-nothing and the call's pages come on first touch (``prefetch_pays``). On long-tools at 8
-sandboxes (15 s calls) agentzip's owned memory went from 1.03x linux's to 0.87x, its median
-tool call from 1.05x linux's to 1.12x (docs/figures.md, session 19).
+until a trim finds it cold; one it does touch saves a fault. For a kind whose last call ran
+long (5 s and more), when the faults its whole set could save are under a tenth of the call
+while every unused page is held for much of it, such a resume places nothing and the call's
+pages come on first touch (``prefetch_pays``). On long-tools at 8 sandboxes (15 s calls)
+agentzip's owned memory went from 1.03x linux's to 0.87x, its median tool call from 1.05x
+linux's to 1.12x (docs/figures.md, session 19). A fault's stall is ~100 us on an idle host
+(the service and the wake-ups), plus, on a busy one, the vCPU's wait for a CPU once served:
+the mean wait per time on a CPU of the sandbox's vCPU threads over its last call
+(host/schedstat.py), which was 13-26 us with one sandbox here and is milliseconds where 16 TCG
+guests share two cores. Charged the idle figure alone, a call slowed by the busy host looked
+long, left its prefetch out, took its pages by faults that cost milliseconds each and ran
+longer still: on many-small-files at 16, 40% of resumes placed nothing and the median commit
+took 1,673 faults and 9.8 s against 1.9 s for copy-on-write clones (session 36).
 """
 
 from __future__ import annotations
@@ -55,8 +62,9 @@ MAX_KINDS = 8                 # per sandbox, least recently used first out
 MAX_BOOK_KINDS = 16           # per sharing domain
 MAX_WORDS = 512               # words kept per kind (a command's first ones)
 STDIN_WORDS_BYTES = 4096      # code sent on stdin (`python3 -`) says the kind as well
-# A fault's stall as the guest sees it (azq bench restore: 61-99 us median on this host), and
-# the share of a call that faults in place of a prefetch may cost before the prefetch pays.
+# A fault's stall as the guest sees it on an idle host (azq bench restore: 61-99 us median
+# here; a busy host adds the vCPU's wait for a CPU: CallKinds.fault_stall_s), and the share of
+# a call that faults in place of a prefetch may cost before the prefetch pays.
 FAULT_STALL_S = 100e-6
 PREFETCH_SKIP_SHARE = 0.10
 # Shorter calls keep their prefetch whatever its size: what they hold unused is held only that
@@ -82,12 +90,12 @@ def command_words(argv: list[str], stdin: bytes | None = None) -> np.ndarray:
     return unique_idx(np.array(hashes, dtype=np.uint64))
 
 
-def prefetch_pays(pages: int, call_s: float | None) -> bool:
+def prefetch_pays(pages: int, call_s: float | None, fault_stall_s: float = FAULT_STALL_S) -> bool:
     """Whether placing ``pages`` before a call that is expected to run ``call_s`` (None:
-    unknown) pays: the call is short (PREFETCH_SKIP_MIN_S), or the faults the pages could save
-    stall the guest for more than PREFETCH_SKIP_SHARE of it."""
+    unknown) pays: the call is short (PREFETCH_SKIP_MIN_S), or the faults the pages could save,
+    ``fault_stall_s`` each, stall the guest for more than PREFETCH_SKIP_SHARE of it."""
     return (call_s is None or call_s < PREFETCH_SKIP_MIN_S
-            or pages * FAULT_STALL_S > PREFETCH_SKIP_SHARE * call_s)
+            or pages * fault_stall_s > PREFETCH_SKIP_SHARE * call_s)
 
 
 def jaccard(a: np.ndarray, b: np.ndarray) -> float:
@@ -177,6 +185,7 @@ class CallKinds:
         self._early = np.empty(0, dtype=np.uint32)   # pages to place before the vCPUs continue
         self._calls = 0
         self._next_id = 0
+        self._wake_s = 0.0      # the vCPUs' mean wait for a CPU in the last call (note_end)
         self._lock = threading.Lock()
 
     def note(self, argv: list[str], stdin: bytes | None = None, name: str | None = None) -> int:
@@ -192,12 +201,22 @@ class CallKinds:
             self._phase.add(kid)
             return kid
 
-    def note_end(self, kid: int | None, call_s: float) -> None:
-        """A call of kind ``kid`` ran for ``call_s`` (the next one is expected to run as long)."""
+    def note_end(self, kid: int | None, call_s: float, wake_s: float | None = None) -> None:
+        """A call of kind ``kid`` ran for ``call_s`` (the next one is expected to run as long),
+        the sandbox's vCPUs waiting ``wake_s`` on average each time they got a CPU (None: not
+        measured; the next faults are charged as the last call's were)."""
         with self._lock:
+            if wake_s is not None:
+                self._wake_s = max(0.0, float(wake_s))
             k = self._kinds.get(kid) if kid is not None else None
             if k is not None:
                 k.call_s = float(call_s)
+
+    def fault_stall_s(self) -> float:
+        """What a fault costs the guest now: the idle host's stall plus the wait for a CPU the
+        vCPU had after each wake-up in the last call."""
+        with self._lock:
+            return FAULT_STALL_S + self._wake_s
 
     def call_s(self, kid: int | None) -> float | None:
         """How long the last call of this kind ran; None when unknown."""

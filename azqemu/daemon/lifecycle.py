@@ -53,7 +53,7 @@ from azqemu.errors import (
     SandboxStateError,
     StoreError,
 )
-from azqemu.host import doctor, threads
+from azqemu.host import doctor, schedstat, threads
 from azqemu.memory.crashpoint import crash_point
 from azqemu.names import validate_name
 from azqemu.restore.errors import PageUnavailable
@@ -324,10 +324,15 @@ class Lifecycle:
             agent = GuestAgent(name, dom.agent_command)
             mem = self.memory.get(name)
             before = mem.call_counters() if mem is not None else (0, 0, 0.0)
+            # The vCPUs' waits for a CPU: what a fault costs on this host now (callkinds.py).
+            qemu_pid = mem.handle.pid if mem is not None else None
+            vcpu_before = schedstat.vcpu_wait(qemu_pid) if qemu_pid else None
             t_run = time.monotonic()
             res = agent.exec(argv, timeout_s=float(timeout_s), stdin=stdin, on_output=on_output,  # streamed if given
                              exit_wait=lambda pid, t: self.reg.exits.wait_exit(name, pid, t))
-            self.memory.note_call_end(name, call, time.monotonic() - t_run)
+            vcpu_after = schedstat.vcpu_wait(qemu_pid) if qemu_pid else None
+            self.memory.note_call_end(name, call, time.monotonic() - t_run,
+                                      schedstat.wait_per_slice_s(vcpu_before, vcpu_after))
             after = mem.call_counters() if mem is not None else before
             faults, store_faults, trim_s = (after[0] - before[0], after[1] - before[1], after[2] - before[2])
         finally:

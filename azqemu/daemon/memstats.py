@@ -100,6 +100,8 @@ def memory_stats(mem: Any, *, reset: bool = False) -> dict[str, object]:
     stored = (mem.store.owned_bytes(mem.name).as_dict() if mem.name in mem.store.sandboxes() else {})
     return {"name": mem.name, "compressed": mem.compressed, "registered": mem.registered,
             "copy_on_write": mem.cow, "store": stored, "call_kinds": mem.calls.kinds,
+            # What a fault costs the guest by the last call's measure (callkinds.prefetch_pays).
+            "fault_stall_s": mem.calls.fault_stall_s(),
             "handler": counters, "service_us": service,
             # The store's, shared by every sandbox: a fault that waited on its lock (cumulative).
             "store_lock_waits": mem.store.fault_lock_waits(),

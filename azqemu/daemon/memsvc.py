@@ -408,12 +408,13 @@ class MemoryService:
         mem = self.mem.get(name)
         return None if mem is None else mem.calls.note(argv, stdin, kind)
 
-    def note_call_end(self, name: str, call: int | None, call_s: float) -> None:
-        """The tool call of kind ``call`` ran ``call_s`` in the guest: a prefetch for the next
+    def note_call_end(self, name: str, call: int | None, call_s: float, wake_s: float | None = None) -> None:
+        """The tool call of kind ``call`` ran ``call_s`` in the guest, its vCPUs waiting
+        ``wake_s`` for a CPU each time they got one (None: not known): a prefetch for the next
         call of that kind weighs its pages against that (callkinds.prefetch_pays)."""
         mem = self.mem.get(name)
         if mem is not None:
-            mem.calls.note_end(call, call_s)
+            mem.calls.note_end(call, call_s, wake_s)
 
     def refill(self, name: str, call: int | None) -> dict[str, Any]:
         """A tool call of kind ``call`` starts in a running sandbox (its wait was too short to

@@ -562,7 +562,7 @@ class SandboxMemory:
             elif hot and predicted is not None and self.registered and len(want := self.calls.trimmed(predicted)):
                 # Only then the store's index and the pagemap (most calls find nothing trimmed).
                 want = setdiff_idx(intersect_idx(want, self.store.stored_pages(self.name)), self.scan.index())
-            if len(want) and not prefetch_pays(len(want), self.calls.call_s(call)):
+            if len(want) and not prefetch_pays(len(want), self.calls.call_s(call), self.calls.fault_stall_s()):
                 st.left_pages, want = len(want), want[:0]     # a long call: first touch serves them
             want, present = self._split.pages(part, want, self.compressed), None
             if len(want):    # a page the guest faulted in meanwhile is skipped (EEXIST)

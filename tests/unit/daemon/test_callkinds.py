@@ -192,6 +192,24 @@ def test_a_kind_that_runs_long_gets_no_prefetch() -> None:
     assert prefetch_pays(pages, 0.99 * at) and not prefetch_pays(pages, 1.01 * at)
 
 
+def test_a_busy_host_makes_faults_dearer_and_the_prefetch_pay_again() -> None:
+    """A fault costs the idle host's stall plus the vCPU's wait for a CPU after it, measured
+    over the sandbox's last call: where 16 guests share two cores (ms a wake-up), 3,000 pages
+    are worth placing before a 10 s call that the idle figure would leave to 3,000 faults."""
+    kinds = CallKinds(PAGES)
+    kid = kinds.note(_sh("cd /workspace/mono && git add -A && git commit -q -m step"))
+    assert kinds.fault_stall_s() == FAULT_STALL_S                   # nothing measured yet
+    kinds.note_end(kid, 10.0, wake_s=None)
+    assert kinds.fault_stall_s() == FAULT_STALL_S
+    assert not prefetch_pays(3000, kinds.call_s(kid), kinds.fault_stall_s())
+    kinds.note_end(kid, 10.0, wake_s=0.003)
+    assert kinds.fault_stall_s() == pytest.approx(FAULT_STALL_S + 0.003)
+    assert prefetch_pays(3000, kinds.call_s(kid), kinds.fault_stall_s())
+    kinds.note_end(None, 2.0, wake_s=20e-6)          # any call of the sandbox measures the host
+    assert kinds.fault_stall_s() == pytest.approx(FAULT_STALL_S + 20e-6)
+    assert not prefetch_pays(3000, kinds.call_s(kid), kinds.fault_stall_s())
+
+
 def test_pages_a_guest_touched_before_the_prefetch_go_first_next_time() -> None:
     """The early set: what the last resume beside a call placed first, and what the guest
     touched before the prefetch got there; only pages of the coming prediction; bounded."""
