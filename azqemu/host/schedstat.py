@@ -59,7 +59,7 @@ def wait_of(pid: int, tids: list[int]) -> SchedWait | None:
 
 
 def vcpu_wait(qemu_pid: int) -> SchedWait | None:
-    """QEMU's vCPU threads' waits (found afresh: a listing and a few names, ~50 us)."""
+    """QEMU's vCPU threads' waits (found afresh: a listing and a few names, ~0.1 ms here)."""
     return wait_of(qemu_pid, threads_named(qemu_pid, VCPU_THREAD_PREFIX))
 
 
