@@ -10,8 +10,9 @@ time on a CPU over a tool call is what the manager charges each fault on top of 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+
+from azqemu.host import threads
 
 # QEMU names its vCPU threads "CPU <n>/TCG" or "CPU <n>/KVM".
 VCPU_THREAD_PREFIX = "CPU "
@@ -23,23 +24,6 @@ class SchedWait:
 
     wait_ns: int
     slices: int
-
-
-def threads_named(pid: int, prefix: str) -> list[int]:
-    """Thread ids of process ``pid`` whose name starts with ``prefix`` ([] if it is gone)."""
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return []
-    out = []
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                if f.read().startswith(prefix):
-                    out.append(int(tid))
-        except OSError:
-            continue             # the thread ended meanwhile
-    return sorted(out)
 
 
 def wait_of(pid: int, tids: list[int]) -> SchedWait | None:
@@ -60,7 +44,7 @@ def wait_of(pid: int, tids: list[int]) -> SchedWait | None:
 
 def vcpu_wait(qemu_pid: int) -> SchedWait | None:
     """QEMU's vCPU threads' waits (found afresh: a listing and a few names, ~0.1 ms here)."""
-    return wait_of(qemu_pid, threads_named(qemu_pid, VCPU_THREAD_PREFIX))
+    return wait_of(qemu_pid, threads.threads_named(qemu_pid, VCPU_THREAD_PREFIX, prefix=True))
 
 
 def wait_per_slice_s(before: SchedWait | None, after: SchedWait | None) -> float | None:

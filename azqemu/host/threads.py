@@ -94,23 +94,29 @@ def set_nice_of(tid: int, nice: int) -> bool:
         return False
 
 
-def set_nice_of_named(pid: int, comm: str, nice: int) -> int:
-    """Set the nice value of process ``pid``'s threads named ``comm`` (another process's:
-    QEMU's export thread, which a paused guest waits for). Returns how many were set."""
-    done = 0
+def threads_named(pid: int, comm: str, *, prefix: bool = False) -> list[int]:
+    """Thread ids of process ``pid`` named ``comm`` (or, ``prefix``, whose name starts with
+    it), ascending; [] if the process is gone."""
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return 0
+        return []
+    out = []
     for tid in tids:
         try:
             with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                if f.read().strip() != comm:
-                    continue
+                name = f.read().strip()
         except OSError:
             continue             # the thread ended meanwhile
-        done += set_nice_of(int(tid), nice)
-    return done
+        if name.startswith(comm) if prefix else name == comm:
+            out.append(int(tid))
+    return sorted(out)
+
+
+def set_nice_of_named(pid: int, comm: str, nice: int) -> int:
+    """Set the nice value of process ``pid``'s threads named ``comm`` (another process's:
+    QEMU's export thread, which a paused guest waits for). Returns how many were set."""
+    return sum(set_nice_of(tid, nice) for tid in threads_named(pid, comm))
 
 
 @contextmanager

@@ -113,9 +113,8 @@ class SandboxIndex:
             # The map ends at its highest page still in it. A copy-on-write clone's map empties
             # at every compression's map-back: kept at full length it held 32 KiB of zeros per
             # 512 MiB sandbox three times over (this index, the fault path's copy, the index file).
-            nz = np.flatnonzero(packed)
-            n_bytes = int(nz[-1]) + 1 if len(nz) else 0
-            packed = packed[:n_bytes]
+            packed = np.trim_zeros(packed, "b")
+            n_bytes = len(packed)
         # The entries: the removed ones deleted, the new ones inserted in page order.
         page, ek, ef, er = self.page, self.kind, self.flags, self.ref
         if len(page) and len(remove):

@@ -34,7 +34,7 @@ def test_named_threads_are_found_and_their_waits_counted() -> None:
     try:
         ready.wait()
         pid = os.getpid()
-        tids = schedstat.threads_named(pid, schedstat.VCPU_THREAD_PREFIX)
+        tids = threads.threads_named(pid, schedstat.VCPU_THREAD_PREFIX, prefix=True)
         assert len(tids) == 2 and threading.get_native_id() not in tids
         before = schedstat.wait_of(pid, tids)
         time.sleep(0.2)
@@ -48,7 +48,7 @@ def test_named_threads_are_found_and_their_waits_counted() -> None:
         for t in ts:
             t.join(10)
     assert schedstat.wait_of(pid, tids) is None                        # the threads are gone
-    assert schedstat.threads_named(2**22 + 7, schedstat.VCPU_THREAD_PREFIX) == []   # no such process
+    assert threads.threads_named(2**22 + 7, schedstat.VCPU_THREAD_PREFIX, prefix=True) == []   # no such process
 
 
 def test_wait_per_slice() -> None:

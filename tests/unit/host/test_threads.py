@@ -86,3 +86,33 @@ def test_a_pool_initializer_names_its_workers() -> None:
     from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="azq-pool", initializer=threads.name_os_thread) as pool:
         assert pool.submit(lambda: _comm(threading.get_native_id())).result(10) == "azq-pool_0"
+
+
+def test_threads_are_named_exactly_or_by_prefix() -> None:
+    """set_nice_of_named sets the threads of that exact name, not one whose name only begins
+    with it; threads_named finds either way."""
+    stop = threading.Event()
+    ready = threading.Barrier(3)
+    tids: dict[str, int] = {}
+
+    def named(name: str) -> None:
+        threads.name_os_thread(name)
+        tids[name] = threading.get_native_id()
+        ready.wait()
+        stop.wait(10)
+    ts = [threading.Thread(target=named, args=(n,)) for n in ("azq-t-exact", "azq-t-exact2")]
+    for t in ts:
+        t.start()
+    try:
+        ready.wait()
+        pid = os.getpid()
+        assert threads.threads_named(pid, "azq-t-exact") == [tids["azq-t-exact"]]
+        assert threads.threads_named(pid, "azq-t-exact", prefix=True) == sorted(tids.values())
+        assert threads.set_nice_of_named(pid, "azq-t-exact", 7) == 1
+        assert os.getpriority(os.PRIO_PROCESS, tids["azq-t-exact"]) == 7
+        assert os.getpriority(os.PRIO_PROCESS, tids["azq-t-exact2"]) != 7
+    finally:
+        stop.set()
+        for t in ts:
+            t.join(10)
+    assert threads.threads_named(2**22 + 7, "azq-t-exact") == []
