@@ -485,7 +485,7 @@ class SandboxMemory:
         touch of an untouched page faults too (a span the first compression left unmapped) but
         is no sign of use: counted, a file written in a tool call would never be trimmed."""
         faulted = self.handler.hot_pages(self._block_index)
-        kinds = np.frombuffer(self.sources.kinds, dtype=np.uint8)[faulted]
+        kinds = self.sources.kind_of(faulted)
         return faulted[kinds == self.sources.index_of(self._store_src)]
 
     def state_bytes(self) -> int:
@@ -542,7 +542,7 @@ class SandboxMemory:
         else:
             unmapped = untouched_in_page_tables(self.handle.pid, self.block, dropped)
             self._mapped_all = True
-        kinds = np.frombuffer(self.sources.kinds, dtype=np.uint8)[unmapped]
+        kinds = self.sources.kind_of(unmapped)
         return map_unstored(self.handle.uffd, self.block, unmapped, kinds, self.sources.index_of(self._zero_src),
                             self.template.rows)
 

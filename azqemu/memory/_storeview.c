@@ -38,7 +38,7 @@ unsigned ZSTD_isError(size_t code);
 
 #include "_pagepatch.h"      /* PATCH payloads (uses PAGE) */
 
-int azq_storeview_abi(void) { return 4; }
+int azq_storeview_abi(void) { return 5; }
 
 /* ---------------------------------------------------------------- helpers from Python */
 typedef int (*lz4_decompress_fn)(const char *src, char *dst, int compressedSize, int dstCapacity);
@@ -106,8 +106,8 @@ typedef struct azq_view {             /* one sandbox of a store */
     const uint32_t *page; const uint8_t *kind; const uint8_t *flags; const uint32_t *ref;
     uint64_t n;
     const uint8_t *tpages;                     /* template page p at tpages + p * PAGE */
-    const int32_t *row_of;                     /* n_tpages + 1 entries, -1: hole or zero */
-    const int32_t *slot_of;                    /* n_tpages + 1 entries, index into tchecks */
+    const int32_t *slot_of;                    /* n_tpages + 1 entries, index into tchecks;
+                                                  -1: a hole or an all-zero page */
     const uint64_t *tchecks;
     uint64_t n_tpages;
 } azq_view;
@@ -234,10 +234,10 @@ void azq_view_set_index(azq_view *v, int present, const uint8_t *zt, uint64_t zt
     v->page = page; v->kind = kind; v->flags = flags; v->ref = ref; v->n = n;
 }
 
-void azq_view_set_template(azq_view *v, const uint8_t *tpages, const int32_t *row_of, const int32_t *slot_of,
+void azq_view_set_template(azq_view *v, const uint8_t *tpages, const int32_t *slot_of,
                            const uint64_t *tchecks, uint64_t n_tpages)
 {
-    v->tpages = tpages; v->row_of = row_of; v->slot_of = slot_of; v->tchecks = tchecks; v->n_tpages = n_tpages;
+    v->tpages = tpages; v->slot_of = slot_of; v->tchecks = tchecks; v->n_tpages = n_tpages;
 }
 
 /* ---------------------------------------------------------------- decoding one page */
@@ -288,13 +288,10 @@ static const uint8_t *template_page(const azq_view *v, uint64_t p, uint64_t *che
 {
     if (!v->tpages)
         return NULL;                  /* no template published: the Python path decides */
-    if (p < v->n_tpages && v->row_of[p] >= 0) {
-        int32_t slot = v->slot_of[p];
-        if (slot < 0)
-            return NULL;
+    if (p < v->n_tpages && v->slot_of[p] >= 0) {   /* a data page: its row is its index */
         if (check)
-            *check = v->tchecks[slot];
-        return v->tpages + (uint64_t)v->row_of[p] * PAGE;
+            *check = v->tchecks[v->slot_of[p]];
+        return v->tpages + p * PAGE;
     }
     if (check)
         *check = zero_check;

@@ -112,7 +112,7 @@ def decode_recipe(zstd: PageZstd, r: Recipe, out: np.ndarray, template: Template
     ref_page: np.ndarray = _ZERO_ARRAY
     ref_addr = 0
     if r.reftype == _REFTYPE_TEMPLATE:
-        row = int(template.row_of[r.ref]) if 0 <= r.ref < template.n_pages else -1
+        row = template.row(r.ref)
         row = template.zero_row if row < 0 else row
         ref_page = template.pages_z[row]
         ref_addr = template.pages_z_addr + row * PAGE_SIZE

@@ -31,7 +31,7 @@ from azqemu.memory.pagehash import ZERO_CHECK
 from azqemu.memory.sbxindex import SandboxIndex
 from azqemu.memory.template import TemplateImage
 
-ABI = 4
+ABI = 5
 _V, _U64, _I = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int
 # The packed row the C side reads (blob_row in _storeview.c): checked against BLOB_DTYPE at load.
 _C_BLOB_OFFSETS = {"key": 0, "check": 8, "offset": 16, "ref": 20, "refcount": 24, "arena": 28, "length": 30,
@@ -69,7 +69,7 @@ def _load() -> Any | None:
                 ("azq_store_set_table", [_V, _V, _U64], None), ("azq_store_set_arenas", [_V, _V, _U64], None),
                 ("azq_view_new", [_V], _V), ("azq_view_free", [_V], None),
                 ("azq_view_set_index", [_V, _I, _V, _U64, _V, _V, _V, _V, _U64], None),
-                ("azq_view_set_template", [_V, _V, _V, _V, _V, _U64], None),
+                ("azq_view_set_template", [_V, _V, _V, _V, _U64], None),
                 ("azq_view_decode", [_V, _U64, _V], _I),
                 ("azq_view_decode_many", [_V, _V, ctypes.c_long, _V], ctypes.c_long)):
             fn = getattr(lib, name)
@@ -203,17 +203,16 @@ class NativeView:
             self._refs = (zt, *arrays)
         if template is not self._template:
             if template is None or template.closed:
-                LIB.azq_view_set_template(self.address, None, None, None, None, 0)
+                LIB.azq_view_set_template(self.address, None, None, None, 0)
                 self._trefs = ()
             else:
                 # The page view keeps the template's mapping open (TemplateImage.close).
                 pages_z = template.pages_z
-                row_of = np.ascontiguousarray(template.row_of, dtype=np.int32)
                 slot_of = np.ascontiguousarray(template.slot_of, dtype=np.int32)
                 checks = np.ascontiguousarray(template.checks, dtype=np.uint64)
-                LIB.azq_view_set_template(self.address, _addr(pages_z) or None, _addr(row_of), _addr(slot_of),
+                LIB.azq_view_set_template(self.address, _addr(pages_z) or None, _addr(slot_of),
                                           _addr(checks) or None, template.n_pages)
-                self._trefs = (pages_z, row_of, slot_of, checks)
+                self._trefs = (pages_z, slot_of, checks)
             self._template = template
 
     def decode_into(self, page_idx: int, out: np.ndarray) -> int:

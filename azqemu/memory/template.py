@@ -6,7 +6,7 @@ cache the clones map too), never copied into the manager's heap: the mapping cos
 nothing beyond the page cache that already exists. A "row" is the page index itself: the
 mapping covers the image's ``n_pages`` pages and one more page of untouched anonymous memory
 (``zero_row`` = ``n_pages``) that reads as zeros without being allocated, so holes gather
-from it. Holes and all-zero data pages have no row (``row_of`` -1) and are never read through
+from it. Holes and all-zero data pages have no row (``rows`` -1, ``slot_of`` -1) and are never read through
 the mapping: reading a hole of a shared tmpfs mapping would allocate a page in the file.
 
 The hashes of the data pages are computed once here, in bounded chunks, and serve three
@@ -186,8 +186,6 @@ class TemplateImage:
         self._checks = np.concatenate(checks).astype(np.uint64) if checks else np.zeros(0, np.uint64)
         self.slot_of = np.full(n + 1, -1, dtype=np.int32)   # last slot: "outside"
         self.slot_of[self.page_idx] = np.arange(len(self.page_idx), dtype=np.int32)
-        self.row_of = np.full(n + 1, -1, dtype=np.int32)    # last slot: "outside"
-        self.row_of[self.page_idx] = self.page_idx.astype(np.int32)
         # Duplicate lookup: keys of the data pages, sorted, with their rows.
         order = np.argsort(self._keys, kind="stable")
         self._dup_keys = self._keys[order]
@@ -225,8 +223,14 @@ class TemplateImage:
 
     def rows(self, page_idx: np.ndarray) -> np.ndarray:
         """Template row of each page index, -1 for holes and indices past the image."""
-        idx = np.asarray(page_idx, dtype=np.int64)
-        return self.row_of[np.minimum(np.maximum(idx, 0), self.n_pages)]
+        # A data page's row is its index (``pages`` maps the whole image); ``slot_of`` says
+        # which pages have data: a dense row map beside it was 4 bytes a page for nothing.
+        idx = np.minimum(np.maximum(np.asarray(page_idx, dtype=np.int64), 0), self.n_pages)
+        return np.where(self.slot_of[idx] >= 0, idx, -1)
+
+    def row(self, page_idx: int) -> int:
+        """``rows`` of one page index."""
+        return page_idx if 0 <= page_idx < self.n_pages and self.slot_of[page_idx] >= 0 else -1
 
     def rows_z(self, page_idx: np.ndarray) -> np.ndarray:
         """Rows into ``pages_z`` (holes -> the zero row)."""
@@ -241,8 +245,7 @@ class TemplateImage:
         """Read-only view of one template page, or None for a hole."""
         if page_idx < 0 or page_idx >= self.n_pages:
             return None
-        r = self.row_of[page_idx]
-        return None if r < 0 else self.pages[r]
+        return None if self.slot_of[page_idx] < 0 else self.pages[page_idx]
 
     def find_dups(self, key: np.ndarray) -> np.ndarray:
         """Template row with the same key for each key, -1 if none (caller confirms bytes)."""
@@ -281,7 +284,7 @@ class TemplateImage:
         """Process memory of the image's index (hashes, rows, duplicate and similarity
         lookups), which the manager keeps while the template exists; the pages themselves are
         the shared mapping, not counted here."""
-        arrays = (self._keys, self._checks, self.slot_of, self.row_of, self.page_idx, self._dup_keys, self._dup_rows)
+        arrays = (self._keys, self._checks, self.slot_of, self.page_idx, self._dup_keys, self._dup_rows)
         sim = self._simindex
         return int(sum(a.nbytes for a in arrays) + (getattr(sim, "nbytes", 0) if sim is not None else 0))
 

@@ -12,7 +12,8 @@
  * Python thread of the same handler through a queue and an eventfd, which serves or reports
  * it with the Python path (handler.py): a guest never gets a page this file could not verify,
  * and errors keep their one code path. The per-page source kinds are the CompositeSource's
- * bytearray, read without a lock as the Python handler reads it.
+ * bytearray, two pages a byte (low nibble first), read without a lock as the Python handler
+ * reads it: its writer changes a byte at once, the other page's nibble as it was.
  *
  * Build (Makefile): gcc -O2 -Wall -Wextra -fPIC -shared -pthread -o azqemu/restore/_faultloop.so \
  *                       azqemu/restore/_faultloop.c
@@ -44,7 +45,7 @@
 #define AROUND_SPAN (2ull << 20)
 #define AROUND_MAX_IOCTLS 32
 
-int azq_faultloop_abi(void) { return 5; }
+int azq_faultloop_abi(void) { return 6; }
 
 /* The store's lookup (memory/_storeview.c azq_view_decode_inplace): 0 when out holds the
  * verified page. */
@@ -64,8 +65,8 @@ typedef struct {
     uint64_t lo, hi;
     int64_t delta;                 /* hva + delta = file offset */
     int shift;
-    const uint8_t *kinds;          /* CompositeSource.kinds or NULL */
-    uint64_t kinds_n;
+    const uint8_t *kinds;          /* CompositeSource.kinds (a nibble a page) or NULL */
+    uint64_t kinds_n;              /* pages it covers */
     int64_t base;                  /* file offset of kinds[0] */
     uint8_t action[256];           /* per source index */
     uint8_t block_action;          /* without kinds */
@@ -86,7 +87,7 @@ typedef struct azq_fp {
     uint64_t queue[QUEUE_SLOTS][3];
     volatile uint64_t q_head, q_tail;        /* producer: the thread; consumer: Python */
     uint64_t counters[C_N];
-    int64_t *ring;
+    uint32_t *ring;                /* service times, ns (saturated) */
     uint64_t ring_mask;
     volatile uint64_t samples;
     uint64_t pending[PENDING_MAX];
@@ -101,7 +102,7 @@ static int64_t now_ns(void)
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-azq_fp *azq_fp_new(int uffd, int nblocks, int64_t *ring, uint64_t ring_size)
+azq_fp *azq_fp_new(int uffd, int nblocks, uint32_t *ring, uint64_t ring_size)
 {
     if (nblocks < 1 || nblocks > MAX_BLOCKS || !ring || !ring_size || (ring_size & (ring_size - 1)))
         return NULL;
@@ -167,7 +168,7 @@ void azq_fp_set_hot(azq_fp *fp, int i, uint8_t *hot)
 void azq_fp_record(azq_fp *fp, int64_t ns)
 {
     uint64_t k = __atomic_fetch_add(&fp->samples, 1, __ATOMIC_RELAXED);
-    fp->ring[k & fp->ring_mask] = ns;
+    fp->ring[k & fp->ring_mask] = ns < 0 ? 0 : ns > UINT32_MAX ? UINT32_MAX : (uint32_t)ns;
 }
 
 uint64_t azq_fp_samples(azq_fp *fp) { return __atomic_load_n(&fp->samples, __ATOMIC_RELAXED); }
@@ -272,12 +273,19 @@ static int copy_page(azq_fp *fp, uint64_t page, uint64_t size, const uint8_t *sr
     return placed(fp, ioctl(fp->uffd, UFFDIO_COPY, &c), page, size);
 }
 
+/* The action for the source of page k of block b (k < kinds_n): its nibble of kinds. */
+static uint8_t kind_action(fp_block *b, uint64_t k)
+{
+    uint8_t pair = __atomic_load_n(&b->kinds[k >> 1], __ATOMIC_RELAXED);
+    return __atomic_load_n(&b->action[(k & 1) ? pair >> 4 : pair & 15], __ATOMIC_ACQUIRE);
+}
+
 static uint8_t action_at(fp_block *b, uint64_t page)
 {
     int64_t k = ((int64_t)page + b->delta - b->base) >> b->shift;
     if (k < 0 || (uint64_t)k >= b->kinds_n)
         return A_FORWARD;
-    return __atomic_load_n(&b->action[b->kinds[k]], __ATOMIC_ACQUIRE);
+    return kind_action(b, (uint64_t)k);
 }
 
 /* UFFDIO_CONTINUE (or, `zero`, UFFDIO_ZEROPAGE) over [start, start + len), waking waiters
@@ -372,7 +380,7 @@ static void serve(azq_fp *fp, uint64_t address, int64_t t0)
             forward(fp, EV_FAULT, page, 0);
             return;
         }
-        act = __atomic_load_n(&b->action[b->kinds[k]], __ATOMIC_ACQUIRE);
+        act = kind_action(b, (uint64_t)k);
     }
     int ok = 0;
     switch (act) {

@@ -30,7 +30,7 @@ from azqemu.restore.source import (
     ZeroSource,
 )
 
-ABI = 5
+ABI = 6
 _V, _U64, _I64, _I = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64, ctypes.c_int
 EV_FAULT, EV_REMOVE = 1, 2
 # Counter order of azq_fp_counters (C_* in _faultloop.c).
@@ -176,12 +176,14 @@ class NativeLoop:
         self._stale_fds: list[int] = []
 
     def set_block(self, i: int, *, lo: int, hi: int, delta: int, shift: int, kinds: bytearray | None, base: int,
-                  block_action: Action, decode_addr: int, view_addr: int, hot: bytearray) -> None:
+                  block_action: Action, decode_addr: int, view_addr: int, hot: bytearray,
+                  kinds_pages: int = 0) -> None:
+        """``kinds``: a nibble per page (CompositeSource.kinds) for ``kinds_pages`` pages."""
         if not self.handle:
             return
         kinds_addr = self._pin(kinds) if kinds is not None else 0
         rc = self._lib.azq_fp_set_block(self.handle, i, lo, hi, delta, shift, kinds_addr or None,
-                                        len(kinds) if kinds is not None else 0, base, int(block_action),
+                                        kinds_pages, base, int(block_action),
                                         decode_addr or None, view_addr or None, self._pin_hot(i, hot))
         if rc != 0:
             raise ValueError(f"block {i} out of range")
@@ -204,6 +206,7 @@ class NativeLoop:
                 self._stale_fds.append(old)     # closed with the thread: it may be reading it
         self.set_block(i, lo=lo, hi=hi, delta=delta, shift=shift,
                        kinds=source.kinds if isinstance(source, CompositeSource) else None,
+                       kinds_pages=source.page_count if isinstance(source, CompositeSource) else 0,
                        base=source.base_offset if isinstance(source, CompositeSource) else 0,
                        block_action=Action.FORWARD if composite else actions[0],
                        decode_addr=decode_addr, view_addr=view_addr, hot=hot)

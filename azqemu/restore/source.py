@@ -30,6 +30,7 @@ for the whole batch. :func:`fill_pages` falls back to page-by-page ``fill``.
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -196,12 +197,25 @@ class StoreSource:
         return f"StoreSource({type(self.store).__name__}, {self.sandbox!r})"
 
 
+# Sources a CompositeSource tells apart: a page's source index is a nibble.
+MAX_SOURCES = 16
+
+
+def kind_in(packed: bytearray, page: int) -> int:
+    """The source index of ``page`` in a CompositeSource's ``kinds`` (two pages a byte)."""
+    pair = packed[page >> 1]
+    return pair >> 4 if page & 1 else pair & 15
+
+
 class CompositeSource:
     """Maps each page of one RAM block to one source.
 
     Pages are indexed from the block's first file offset (``base_offset``). Every page
     starts on ``default`` (by convention :class:`ZeroSource`: nobody saved it) and
-    ``assign`` moves pages to another source. Up to 255 sources.
+    ``assign`` moves pages to another source. Up to MAX_SOURCES sources: a page's source
+    index is a nibble (two pages a byte, the even page in the low nibble), so the map of a
+    512 MiB guest is 64 KiB of the manager's memory, not 128 (a sandbox's copy-on-write
+    clone uses four sources: the template, the store, zero and unstored pages).
     """
 
     def __init__(self, page_count: int, page_size: int = PAGE_SIZE, default: PageSource | None = None,
@@ -212,11 +226,14 @@ class CompositeSource:
         self._shift = page_size.bit_length() - 1
         if 1 << self._shift != page_size:
             raise ValueError(f"page size {page_size} is not a power of two")
-        # bytearray, not numpy, for the per-fault lookup: indexing it yields a cached
-        # small int without allocating; numpy views of it serve the bulk operations.
-        self._kind = bytearray(page_count)
+        # bytearray, not numpy, for the per-fault lookup (kind_in): indexing it yields a
+        # cached small int without allocating; numpy views of it serve the bulk operations.
+        self._kind = bytearray((page_count + 1) // 2)
         self._sources: list[PageSource] = [default if default is not None else ZeroSource(page_size)]
         self._fills = [self._sources[0].fill]
+        # assign reads and writes whole bytes: two assigns at once could each undo the other's
+        # nibble of a byte they share (readers see a byte either before or after a write).
+        self._assign_lock = threading.Lock()
 
     @classmethod
     def for_sandbox(cls, page_count: int, page_size: int, *, stored: Any, store: PageSource,
@@ -231,26 +248,42 @@ class CompositeSource:
         i = self.index_of(source)
         if i >= 0:
             return i
-        if len(self._sources) == 255:
-            raise ValueError("CompositeSource holds at most 255 sources")
+        if len(self._sources) == MAX_SOURCES:
+            raise ValueError(f"CompositeSource holds at most {MAX_SOURCES} sources")
         self._sources.append(source)
         self._fills.append(source.fill)
         return len(self._sources) - 1
 
-    def assign(self, pages: Any, source: PageSource) -> None:
-        """Serve ``pages`` (a range, a slice, an index array or a bool mask) from ``source``."""
-        kind = np.frombuffer(self._kind, dtype=np.uint8)
+    def _page_indices(self, pages: Any) -> np.ndarray:
+        """``pages`` (a range, a slice, an index array or a bool mask) as page indices."""
         if isinstance(pages, range):
             pages = slice(pages.start, pages.stop, pages.step)
-        elif not isinstance(pages, slice):
-            pages = np.asarray(pages)
-            if pages.dtype != bool and pages.size and (pages.min() < 0 or pages.max() >= self.page_count):
-                raise IndexError(f"page index out of 0..{self.page_count - 1}")
-        kind[pages] = self._index(source)
+        if isinstance(pages, slice):
+            return np.arange(self.page_count, dtype=np.int64)[pages]
+        pages = np.asarray(pages)
+        if pages.dtype == bool:
+            if pages.shape != (self.page_count,):
+                raise IndexError(f"a mask of {pages.shape} for {self.page_count} pages")
+            return np.flatnonzero(pages)
+        idx = pages.astype(np.int64, copy=False).reshape(-1)
+        if idx.size and (idx.min() < 0 or idx.max() >= self.page_count):
+            raise IndexError(f"page index out of 0..{self.page_count - 1}")
+        return idx
+
+    def assign(self, pages: Any, source: PageSource) -> None:
+        """Serve ``pages`` (a range, a slice, an index array or a bool mask) from ``source``."""
+        idx = self._page_indices(pages)
+        with self._assign_lock:
+            value = self._index(source)
+            packed = np.frombuffer(self._kind, dtype=np.uint8)
+            even, odd = idx[(idx & 1) == 0] >> 1, idx[(idx & 1) == 1] >> 1
+            packed[even] = (packed[even] & 0xF0) | value
+            packed[odd] = (packed[odd] & 0x0F) | (value << 4)
 
     def register(self, source: PageSource) -> int:
         """Make ``source`` known (no pages yet); returns its index in ``kinds``."""
-        return self._index(source)
+        with self._assign_lock:
+            return self._index(source)
 
     def index_of(self, source: PageSource) -> int:
         """Index of ``source`` in ``kinds``, -1 if it serves nothing."""
@@ -269,30 +302,40 @@ class CompositeSource:
 
     @property
     def kinds(self) -> bytearray:
-        """Per page, the index of its source (0: ``default``); read by the fault handler."""
+        """Per page, the index of its source (0: ``default``), a nibble a page (``kind_in``);
+        read by the fault handler."""
         return self._kind
 
+    def kind_of(self, page_idx: np.ndarray) -> np.ndarray:
+        """The source indices of ``page_idx`` (valid page indices), as uint8."""
+        idx = np.asarray(page_idx, dtype=np.int64)
+        pair = np.frombuffer(self._kind, dtype=np.uint8)[idx >> 1]
+        return np.where((idx & 1) == 1, pair >> 4, pair & 15).astype(np.uint8)
+
     def source_of(self, page_idx: int) -> PageSource:
-        return self._sources[self._kind[page_idx]]
+        return self._sources[kind_in(self._kind, page_idx)]
 
     def pages_of(self, source: PageSource) -> np.ndarray:
         """Indices of the pages ``source`` serves."""
         i = self.index_of(source)
         if i < 0:
             return np.empty(0, dtype=np.int64)
-        return np.flatnonzero(np.frombuffer(self._kind, dtype=np.uint8) == i)
+        packed = np.frombuffer(self._kind, dtype=np.uint8)
+        per_page = np.empty(2 * len(packed), dtype=np.uint8)
+        per_page[0::2], per_page[1::2] = packed & 15, packed >> 4
+        return np.flatnonzero(per_page[:self.page_count] == i)
 
     def fill(self, offset: int, out: memoryview) -> bool:
         idx = (offset - self.base_offset) >> self._shift
         if not 0 <= idx < self.page_count:
             raise PageUnavailable(offset, f"outside the {self.page_count} pages mapped")
-        return self._fills[self._kind[idx]](offset, out)
+        return self._fills[kind_in(self._kind, idx)](offset, out)
 
     def fill_pages(self, offsets: np.ndarray, out: memoryview) -> bool:
         idx = (offsets - self.base_offset) >> self._shift
         if len(idx) and (idx.min() < 0 or idx.max() >= self.page_count):
             raise PageUnavailable(int(offsets[0]), f"a page outside the {self.page_count} mapped")
-        kinds = np.frombuffer(self._kind, dtype=np.uint8)[idx]
+        kinds = self.kind_of(idx)
         ps = self.page_size
         present = unique_idx(kinds)
         if len(present) == 1:

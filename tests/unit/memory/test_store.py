@@ -244,7 +244,7 @@ def test_corrupt_template_memory_fails_checksum(store, small_set, small_template
     tp = idx[store.page_kinds("a", idx) == int(Kind.TEMPLATE)]
     victim = int(tp[0])
     t.pages_z.flags.writeable = True
-    t.pages_z[t.row_of[victim], 7] ^= 1
+    t.pages_z[t.row(victim), 7] ^= 1
     with pytest.raises(ChecksumMismatch) as err:
         store.decode("a", np.array([victim]))
     assert err.value.page_idx == victim

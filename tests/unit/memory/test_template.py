@@ -64,6 +64,7 @@ def test_same_bytes_as_the_file_and_holes_stay_holes(shm_dir: Path) -> None:
     data = [p for p in DATA if p != ZERO_DATA]
     assert t.page_idx.tolist() == data
     assert t.rows(np.array([0, 3, ZERO_DATA, 63, 64])).tolist() == [0, -1, -1, 63, -1]
+    assert [t.row(p) for p in (0, 3, ZERO_DATA, 63, 64, -1)] == [0, -1, -1, 63, -1, -1]
     assert t.zero_row == N_PAGES and not t.pages_z[t.zero_row].any()
     assert t.is_zero[ZERO_DATA] and t.is_zero[3] and not t.is_zero[5]
     assert t.find_dups(t.keys_of(np.array(data))).tolist() == data

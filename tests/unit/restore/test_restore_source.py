@@ -6,15 +6,19 @@ import os
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from azqemu.restore.errors import PageUnavailable
 from azqemu.restore.source import (
+    MAX_SOURCES,
     CompositeSource,
     PageSource,
     StoreSource,
     TemplateSource,
     ZeroSource,
     fill_pages,
+    kind_in,
 )
 
 PS = 4096
@@ -201,10 +205,41 @@ def test_composite_bounds() -> None:
 
 def test_composite_many_sources_limit() -> None:
     comp = CompositeSource(300, PS)
-    for i in range(254):
+    for i in range(MAX_SOURCES - 1):
         comp.assign([i], ZeroSource())
-    with pytest.raises(ValueError, match="at most 255"):
+    with pytest.raises(ValueError, match=f"at most {MAX_SOURCES}"):
         comp.assign([299], ZeroSource())
+    # the refused source took no page
+    assert [kind_in(comp.kinds, i) for i in (298, 299)] == [0, 0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 41), st.lists(st.tuples(st.integers(0, 5), st.sets(st.integers(0, 40))), max_size=12))
+def test_composite_nibbles_keep_every_page_apart(n: int, moves: list[tuple[int, set[int]]]) -> None:
+    """Two pages share a byte of ``kinds``: moving one never moves its neighbour, whatever
+    form ``pages`` takes, and every reader (the per-page one the fault paths use, the bulk
+    ones) agrees with a plain list."""
+    srcs = [ZeroSource() for _ in range(6)]
+    comp = CompositeSource(n, PS, default=srcs[0])
+    model = [0] * n
+    for step, (s, pages) in enumerate(moves):
+        pages = sorted(p for p in pages if p < n)
+        form: object = [np.array(pages, dtype=np.int64), pages,
+                        np.isin(np.arange(n), pages), range(0, 0)][step % 4]
+        if step % 4 == 3 and pages:
+            form = range(pages[0], pages[0] + 1)
+            pages = pages[:1]
+        comp.assign(form, srcs[s])
+        for p in pages:
+            model[p] = s
+    want = [comp.index_of(srcs[s]) for s in model]
+    assert len(comp.kinds) == (n + 1) // 2
+    assert [kind_in(comp.kinds, i) for i in range(n)] == want
+    assert comp.kind_of(np.arange(n)).tolist() == want
+    assert [comp.source_of(i) is srcs[model[i]] for i in range(n)] == [True] * n
+    for s, src in enumerate(srcs):
+        if comp.index_of(src) >= 0:
+            assert comp.pages_of(src).tolist() == [i for i in range(n) if model[i] == s]
 
 
 def test_template_source_is_a_pagesource(tmp_path) -> None:
