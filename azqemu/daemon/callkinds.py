@@ -180,7 +180,7 @@ class CallKinds:
         self.siblings = siblings
         self._kinds: dict[int, _Kind] = {}
         self._phase: set[int] = set()           # kinds called since the last phase ended
-        self._fresh = np.empty(0, dtype=np.int64)   # pages the last phase created
+        self._fresh = np.empty(0, dtype=np.uint32)  # pages the last phase created (u32: held a phase)
         self._trimmed = np.empty(0, dtype=np.int64)  # pages trims dropped in this phase
         self._early = np.empty(0, dtype=np.uint32)   # pages to place before the vCPUs continue
         self._calls = 0
@@ -237,7 +237,7 @@ class CallKinds:
                 pages = self.siblings.look_up(k.name, k.words)
             if pages is None:
                 return None
-            return union_idx(self._unpack(pages), self._fresh)
+            return union_idx(self._unpack(pages), self._fresh.astype(np.int64))
 
     def end_phase(self, used: np.ndarray, fresh: np.ndarray) -> None:
         """A phase ended (its sandbox compressed): ``used`` is every page it touched, kept as
@@ -248,7 +248,7 @@ class CallKinds:
             for k in ran:
                 k.pages = packed
             self._phase.clear()
-            self._fresh = np.asarray(fresh, dtype=np.int64)
+            self._fresh = np.asarray(fresh, dtype=np.int64).astype(np.uint32)
             self._trimmed = np.empty(0, dtype=np.int64)
         if self.siblings is not None:
             for k in ran:

@@ -150,7 +150,7 @@ class SandboxMemory:
         self.registered = False
         self._mapped_all = False      # a compression mapped every untouched page (_map_unstored)
         self.compressed = False
-        self.hot_idx = np.empty(0, dtype=np.int64)
+        self.hot_idx = np.empty(0, dtype=np.uint32)    # u32 between phases: half of int64's bytes
         self._prefetched_idx = np.empty(0, dtype=np.int64)
         self.calls = CallKinds(pages)      # the hot set per kind of tool call
         self._split = SplitResume(self.calls)   # a resume beside a call, in two parts
@@ -297,7 +297,7 @@ class SandboxMemory:
             crash_point("after-encode")
             st.encode_s = time.perf_counter() - t1
             st.stored_pages, st.raw_pages = len(enc_stored), len(self._raw)
-            self.hot_idx = hot_idx
+            self.hot_idx = hot_idx.astype(np.uint32)
             # Kept for the kinds of call the phase ran; what it created comes back for any kind.
             came_back = union_idx(self._faulted_from_store(), self._prefetched_idx)
             self.calls.end_phase(hot_idx, setdiff_idx(idx, came_back))
@@ -558,7 +558,7 @@ class SandboxMemory:
             predicted = self.calls.predict(call)
             want = np.empty(0, dtype=np.int64)
             if hot and self.compressed and self.registered:     # detached meanwhile: its uffd is closed
-                want = intersect_idx(self.hot_idx if predicted is None else predicted, self.store.stored_pages(self.name))
+                want = intersect_idx(self.hot_idx.astype(np.int64) if predicted is None else predicted, self.store.stored_pages(self.name))
             elif hot and predicted is not None and self.registered and len(want := self.calls.trimmed(predicted)):
                 # Only then the store's index and the pagemap (most calls find nothing trimmed).
                 want = setdiff_idx(intersect_idx(want, self.store.stored_pages(self.name)), self.scan.index())
