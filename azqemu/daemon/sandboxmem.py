@@ -490,9 +490,8 @@ class SandboxMemory:
 
     def state_bytes(self) -> int:
         """Manager memory held for this sandbox between operations (a compression's buffers are freed)."""
-        return int(len(self.sources.kinds) + self.handler.state_bytes() + self.hot_idx.nbytes
-                   + self._prefetched_idx.nbytes + self._history.nbytes + self._raw.nbytes + self.cold.state_bytes()
-                   + self.calls.nbytes)
+        return int(len(self.sources.kinds) + self.handler.state_bytes() + self.hot_idx.nbytes + self.calls.nbytes
+                   + self._prefetched_idx.nbytes + self._history.nbytes + self._raw.nbytes + self.cold.state_bytes())
 
     def _check_cancel(self, done: int = 0) -> None:
         if self._cancel.is_set() or self._ending.is_set() or (self._stop_test is not None and self._stop_test()):
@@ -558,7 +557,8 @@ class SandboxMemory:
             predicted = self.calls.predict(call)
             want = np.empty(0, dtype=np.int64)
             if hot and self.compressed and self.registered:     # detached meanwhile: its uffd is closed
-                want = intersect_idx(self.hot_idx.astype(np.int64) if predicted is None else predicted, self.store.stored_pages(self.name))
+                last = self.hot_idx.astype(np.int64) if predicted is None else predicted
+                want = intersect_idx(last, self.store.stored_pages(self.name))
             elif hot and predicted is not None and self.registered and len(want := self.calls.trimmed(predicted)):
                 # Only then the store's index and the pagemap (most calls find nothing trimmed).
                 want = setdiff_idx(intersect_idx(want, self.store.stored_pages(self.name)), self.scan.index())

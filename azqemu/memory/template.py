@@ -6,8 +6,9 @@ cache the clones map too), never copied into the manager's heap: the mapping cos
 nothing beyond the page cache that already exists. A "row" is the page index itself: the
 mapping covers the image's ``n_pages`` pages and one more page of untouched anonymous memory
 (``zero_row`` = ``n_pages``) that reads as zeros without being allocated, so holes gather
-from it. Holes and all-zero data pages have no row (``rows`` -1, ``slot_of`` -1) and are never read through
-the mapping: reading a hole of a shared tmpfs mapping would allocate a page in the file.
+from it. Holes and all-zero data pages have no row (``rows`` -1, ``slot_of`` -1) and are never
+read through the mapping: reading a hole of a shared tmpfs mapping would allocate a page in the
+file.
 
 The hashes of the data pages are computed once here, in bounded chunks, and serve three
 purposes: TEMPLATE verification on decode, DUP lookups of sandbox pages against the template
