@@ -175,9 +175,9 @@ class NativeLoop:
         self._files: dict[int, tuple[TemplateSource, int]] = {}
         self._stale_fds: list[int] = []
 
-    def set_block(self, i: int, *, lo: int, hi: int, delta: int, shift: int, kinds: bytearray | None, base: int,
-                  block_action: Action, decode_addr: int, view_addr: int, hot: bytearray,
-                  kinds_pages: int = 0) -> None:
+    def set_block(self, i: int, *, lo: int, hi: int, delta: int, shift: int, kinds: bytearray | None,
+                  kinds_pages: int, base: int, block_action: Action, decode_addr: int, view_addr: int,
+                  hot: bytearray) -> None:
         """``kinds``: a nibble per page (CompositeSource.kinds) for ``kinds_pages`` pages."""
         if not self.handle:
             return

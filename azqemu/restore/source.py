@@ -320,10 +320,7 @@ class CompositeSource:
         i = self.index_of(source)
         if i < 0:
             return np.empty(0, dtype=np.int64)
-        packed = np.frombuffer(self._kind, dtype=np.uint8)
-        per_page = np.empty(2 * len(packed), dtype=np.uint8)
-        per_page[0::2], per_page[1::2] = packed & 15, packed >> 4
-        return np.flatnonzero(per_page[:self.page_count] == i)
+        return np.flatnonzero(self.kind_of(np.arange(self.page_count)) == i)
 
     def fill(self, offset: int, out: memoryview) -> bool:
         idx = (offset - self.base_offset) >> self._shift
