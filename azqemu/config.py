@@ -20,6 +20,12 @@ DEFAULT_LOG_DIR = "/var/log/azqemu"
 # so this bounds QEMU's own memory under TCG. 0 leaves QEMU's default. KVM has none.
 DEFAULT_TCG_TB_CACHE_MIB = 96
 MAX_TCG_TB_CACHE_MIB = 2048
+# How long a native fault thread reads its uffd without sleeping after a fault, at most (us;
+# restore/_faultloop.c fp_main adapts it below this). A fault taken while it spins skips the
+# thread's wake-up: the guest's stall per fault went from 62-78 to 21-30 us here (docs/figures.md,
+# session 38). 0 never spins.
+DEFAULT_FAULT_SPIN_US = 50
+MAX_FAULT_SPIN_US = 1000
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,19 @@ def tcg_tb_cache_mib() -> int:
     if not 0 <= mib <= MAX_TCG_TB_CACHE_MIB:
         raise ConfigError(f"AZQ_TCG_TB_CACHE_MIB={raw!r}: expected MiB from 0 to {MAX_TCG_TB_CACHE_MIB}")
     return mib
+
+
+def fault_spin_us() -> int:
+    """``AZQ_FAULT_SPIN_US``: the native fault threads' longest spin after a fault (us, 0 =
+    never); ConfigError naming the variable if it is not such a number."""
+    raw = os.environ.get("AZQ_FAULT_SPIN_US", str(DEFAULT_FAULT_SPIN_US))
+    try:
+        us = int(raw)
+    except ValueError:
+        us = -1
+    if not 0 <= us <= MAX_FAULT_SPIN_US:
+        raise ConfigError(f"AZQ_FAULT_SPIN_US={raw!r}: expected microseconds from 0 to {MAX_FAULT_SPIN_US}")
+    return us
 
 
 def load() -> Config:

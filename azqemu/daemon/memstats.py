@@ -97,6 +97,8 @@ def memory_stats(mem: Any, *, reset: bool = False) -> dict[str, object]:
     native = mem.handler.native_counters()
     counters["native_from"] = {k: native.get(f"from_{k}", 0) for k in ("template", "zero", "store")}
     counters["mapped_around"] = native.get("around", 0)     # pages a first touch's span brought along
+    # The C thread's reads without sleeping after a fault: batches they caught, the time spun.
+    counters["spin"] = {"caught": native.get("spin_caught", 0), "s": native.get("spin_ns", 0) / 1e9}
     stored = (mem.store.owned_bytes(mem.name).as_dict() if mem.name in mem.store.sandboxes() else {})
     return {"name": mem.name, "compressed": mem.compressed, "registered": mem.registered,
             "copy_on_write": mem.cow, "store": stored, "call_kinds": mem.calls.kinds,

@@ -214,6 +214,7 @@ async def _run(listeners: list[Listener]) -> None:
 def serve(socket_path: Path | None = None) -> None:
     """Run the daemon in the foreground until SIGTERM/SIGINT."""
     cfg = config_mod.load()
+    config_mod.fault_spin_us()        # a bad value fails here, not at the first fault thread
     path = socket_path or cfg.daemon_socket
     check_free(path)
     # Fault handler threads serve vCPUs that wait: let them take the GIL from a busy

@@ -40,12 +40,13 @@
 #define QUEUE_SLOTS 1024          /* forwarded events; a power of two */
 #define PENDING_MAX 256
 #define RETRY_MS 1
+#define SPIN_START_NS 10000       /* a spin that grows from none starts here (fp_main) */
 /* A first touch of a template (or zero) page maps the rest of its 2 MiB span's unmapped
  * template and zero pages too (map_around), in at most this many ioctls. */
 #define AROUND_SPAN (2ull << 20)
 #define AROUND_MAX_IOCTLS 32
 
-int azq_faultloop_abi(void) { return 6; }
+int azq_faultloop_abi(void) { return 7; }
 
 /* The store's lookup (memory/_storeview.c azq_view_decode_inplace): 0 when out holds the
  * verified page. */
@@ -59,7 +60,7 @@ enum { EV_FAULT = 1, EV_REMOVE = 2 };
  * or a hole, or a page the store held): what a sandbox's faults cost and whether a trim or the
  * hot set missed. */
 enum { C_FAULTS, C_SERVED, C_EEXIST, C_RETRIES, C_STALE, C_OTHER, C_FORWARDED, C_NATIVE, C_DROPPED,
-       C_FROM_TEMPLATE, C_FROM_ZERO, C_FROM_STORE, C_AROUND, C_N };
+       C_FROM_TEMPLATE, C_FROM_ZERO, C_FROM_STORE, C_AROUND, C_SPIN_CAUGHT, C_SPIN_NS, C_N };
 
 typedef struct {
     uint64_t lo, hi;
@@ -84,6 +85,7 @@ typedef struct azq_fp {
     pthread_t thread;
     int started;
     volatile int stopping, alive, nice;
+    int64_t spin_max_ns;           /* the longest spin after a message (0: never) */
     uint64_t queue[QUEUE_SLOTS][3];
     volatile uint64_t q_head, q_tail;        /* producer: the thread; consumer: Python */
     uint64_t counters[C_N];
@@ -94,6 +96,16 @@ typedef struct azq_fp {
     int npending;
     uint8_t page[PAGE] __attribute__((aligned(PAGE)));
 } azq_fp;
+
+/* A spin's pause between two reads (fp_main): lets the sibling hyperthread run. */
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
 
 static int64_t now_ns(void)
 {
@@ -180,7 +192,8 @@ void azq_fp_counters(azq_fp *fp, uint64_t *out)
         out[i] = __atomic_load_n(&fp->counters[i], __ATOMIC_RELAXED);
 }
 
-static void count(azq_fp *fp, int c) { __atomic_fetch_add(&fp->counters[c], 1, __ATOMIC_RELAXED); }
+static void count_by(azq_fp *fp, int c, uint64_t k) { __atomic_fetch_add(&fp->counters[c], k, __ATOMIC_RELAXED); }
+static void count(azq_fp *fp, int c) { count_by(fp, c, 1); }
 
 static void count(azq_fp *fp, int c);
 
@@ -452,19 +465,53 @@ static void *fp_main(void *arg)
     setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), fp->nice);
     struct uffd_msg msgs[BATCH_MSGS];
     struct pollfd pfd[2] = {{fp->uffd, POLLIN, 0}, {fp->stop_fd, POLLIN, 0}};
+    /* After a message the thread reads the uffd without sleeping for up to ``spin`` ns: a
+     * guest walking its working set faults again within tens of microseconds, and a
+     * thread asleep in poll() is woken for each fault (on a virtualised host an IPI through
+     * the hypervisor: half the guest's stall, docs/figures.md session 38). ``spin`` adapts
+     * as KVM's halt-polling window does, on the gap from the end of one batch to the next
+     * message: caught while spinning, it stays; a gap the longest spin would have caught
+     * doubles it; a longer gap (isolated faults, or a host too busy to run the faulting
+     * vCPU meanwhile) halves it, down to none. */
+    int64_t spin = fp->spin_max_ns, idle_from = 0;
     while (!fp->stopping) {
-        int r = poll(pfd, 2, fp->npending ? RETRY_MS : -1);
-        if (fp->stopping)
-            break;
-        if (r < 0 && errno != EINTR)
-            break;
-        ssize_t n = read(fp->uffd, msgs, sizeof(msgs));
-        if (n < 0) {
-            if (errno != EAGAIN && errno != EINTR)
+        ssize_t n = -1;
+        int spinning = spin && idle_from && !fp->npending;
+        while (spinning && !fp->stopping && now_ns() - idle_from < spin) {
+            n = read(fp->uffd, msgs, sizeof(msgs));
+            if (n > 0)
                 break;
-            n = 0;
+            if (n < 0 && errno != EAGAIN && errno != EINTR)
+                goto out;
+            cpu_relax();
+        }
+        if (n > 0) {
+            count(fp, C_SPIN_CAUGHT);
+        } else {
+            if (spinning)
+                count_by(fp, C_SPIN_NS, (uint64_t)spin);
+            int r = poll(pfd, 2, fp->npending ? RETRY_MS : -1);
+            if (fp->stopping)
+                break;
+            if (r < 0 && errno != EINTR)
+                break;
+            n = read(fp->uffd, msgs, sizeof(msgs));
+            if (n < 0) {
+                if (errno != EAGAIN && errno != EINTR)
+                    break;
+                n = 0;
+            }
         }
         int64_t t0 = now_ns();
+        if (n > 0 && idle_from && fp->spin_max_ns) {
+            int64_t gap = t0 - idle_from;
+            if (gap < spin)
+                count_by(fp, C_SPIN_NS, (uint64_t)gap);
+            else if (gap <= fp->spin_max_ns)
+                spin = spin * 2 > fp->spin_max_ns ? fp->spin_max_ns : spin ? spin * 2 : SPIN_START_NS;
+            else
+                spin = spin / 2 < SPIN_START_NS ? 0 : spin / 2;
+        }
         for (size_t i = 0; i < (size_t)n / sizeof(struct uffd_msg); i++) {
             if (msgs[i].event == UFFD_EVENT_PAGEFAULT) {
                 count(fp, C_FAULTS);
@@ -485,7 +532,10 @@ static void *fp_main(void *arg)
             for (int i = 0; i < k; i++)
                 serve(fp, again[i], t0);
         }
+        if (n > 0)
+            idle_from = now_ns();
     }
+out:
     /* Faults still waiting for a retry go to Python, which keeps serving after us. */
     for (int i = 0; i < fp->npending; i++)
         forward(fp, EV_FAULT, fp->pending[i], 0);
@@ -494,12 +544,13 @@ static void *fp_main(void *arg)
     return NULL;
 }
 
-int azq_fp_start(azq_fp *fp, int nice)
+int azq_fp_start(azq_fp *fp, int nice, int64_t spin_max_ns)
 {
     if (fp->started)
         return -1;
     fp->stopping = 0;
     fp->nice = nice;
+    fp->spin_max_ns = spin_max_ns > 0 ? spin_max_ns : 0;
     fp->alive = 1;
     if (pthread_create(&fp->thread, NULL, fp_main, fp) != 0) {
         fp->alive = 0;

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from azqemu import config
 from azqemu.host.threads import FAULT_HANDLER_NICE, os_named, set_thread_nice
 from azqemu.quantiles import quantiles
 from azqemu.restore import native as cfaults
@@ -236,7 +237,7 @@ class FaultHandler:
         self._thread = threading.Thread(target=os_named(self._run), name=self._name, daemon=True)
         self._thread.start()
         if self._native is not None:
-            self._native.start(FAULT_HANDLER_NICE)
+            self._native.start(FAULT_HANDLER_NICE, config.fault_spin_us())
         if wake:
             self.handle.wake_all()
 

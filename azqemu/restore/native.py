@@ -30,12 +30,12 @@ from azqemu.restore.source import (
     ZeroSource,
 )
 
-ABI = 6
+ABI = 7
 _V, _U64, _I64, _I = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64, ctypes.c_int
 EV_FAULT, EV_REMOVE = 1, 2
 # Counter order of azq_fp_counters (C_* in _faultloop.c).
 COUNTERS = ("faults", "served", "already_present", "retries", "stale", "other_events", "forwarded", "native",
-            "dropped_at_stop", "from_template", "from_zero", "from_store", "around")
+            "dropped_at_stop", "from_template", "from_zero", "from_store", "around", "spin_caught", "spin_ns")
 
 
 class Action(enum.IntEnum):
@@ -67,7 +67,7 @@ def _load() -> Any | None:
                 ("azq_fp_record", [_V, _I64], None), ("azq_fp_samples", [_V], _U64),
                 ("azq_fp_reset_samples", [_V], None), ("azq_fp_counters", [_V, _V], None),
                 ("azq_fp_pop", [_V, _V, _I], _I), ("azq_fp_fwd_fd", [_V], _I), ("azq_fp_alive", [_V], _I),
-                ("azq_fp_start", [_V, _I], _I), ("azq_fp_stop", [_V], None),
+                ("azq_fp_start", [_V, _I, _I64], _I), ("azq_fp_stop", [_V], None),
                 ("azq_map_runs", [_I, _U64, _U64, _V, _V, _I64, _I, _V, _V], _I64)):
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, res
@@ -244,10 +244,12 @@ class NativeLoop:
         del self._pins[:-64]
         return ctypes.addressof(obj)
 
-    def start(self, nice: int) -> None:
+    def start(self, nice: int, spin_us: int = 0) -> None:
+        """Start the thread at ``nice``; after a fault it reads the uffd without sleeping for
+        up to ``spin_us`` (adapted below it: fp_main in _faultloop.c)."""
         if not self.handle:
             raise RuntimeError("the native fault thread was closed")
-        if self._lib.azq_fp_start(self.handle, nice) != 0:
+        if self._lib.azq_fp_start(self.handle, nice, spin_us * 1000) != 0:
             raise RuntimeError("cannot start the native fault thread")
 
     def stop(self) -> None:

@@ -43,3 +43,10 @@ def test_table_shows_units_targets_and_verdicts() -> None:
 def test_table_shows_the_next_cycle_when_measured() -> None:
     res = _result(next_cycle={"faults_with_prefetch": 27950})
     assert rb.format_table(res).splitlines()[-1].split()[-1] == "27950"
+
+
+def test_table_shows_the_spin_per_fault() -> None:
+    def spin_line(res: dict[str, object]) -> str:
+        return next(line for line in rb.format_table(res).splitlines() if line.startswith("spin after a fault"))
+    assert spin_line(_result(fault_spin={"caught": 900, "cpu_s": 0.42, "cpu_us_per_fault": 15.0})).split()[-1] == "15.0"
+    assert spin_line(_result()).split()[-1] == "-"      # a daemon that does not report it

@@ -212,3 +212,65 @@ def test_a_lazy_clones_template_pages_are_read_by_the_c_thread(world, tmp_path) 
     assert got == {i: pattern(i, gen=3) if i < PAGES - 8 else bytes(PS) for i in range(PAGES)}
     assert c["forwarded"] == 0 and c["native"] >= PAGES, c
     assert c["from_template"] == c["native"] and c["from_store"] == c["from_zero"] == 0, c
+
+
+def _spin_run(ram: Ram, store: PageStore, tpl: TemplateImage, gap_s: float) -> tuple[dict[int, bytes], dict[str, int]]:
+    """Every page stored and punched, then read one at a time ``gap_s`` apart: the bytes read
+    and the C thread's counters."""
+    ram.handle.register(ram.addr, ram.size)
+    _store_and_punch(ram, store, tpl, list(range(PAGES)), gen=1)
+    comp = CompositeSource.for_sandbox(PAGES, PS, stored=np.arange(PAGES), store=StoreSource(store, "sb"))
+    got: dict[int, bytes] = {}
+    with FaultHandler(ram.handle, comp) as h:
+        pages = list(range(PAGES)) if not gap_s else list(range(12))
+        for i in pages:
+            got.update(_read_all(ram, [i]))
+            time.sleep(gap_s)
+        _wait_for(lambda: h.stats().served >= len(pages))
+        c = h.native_counters()
+    return got, c
+
+
+@pytest.mark.parametrize("spin_us", ["0", "1000"])
+def test_a_spinning_thread_serves_the_same_bytes(world, monkeypatch, spin_us) -> None:
+    """After a fault the C thread reads its uffd without sleeping (AZQ_FAULT_SPIN_US): the
+    faults it catches that way get the stored bytes like any other; with 0 it never spins."""
+    monkeypatch.setenv("AZQ_FAULT_SPIN_US", spin_us)
+    ram, store, tpl = world
+    got, c = _spin_run(ram, store, tpl, gap_s=0.0)
+    assert got == {i: _content(i, 1) for i in range(PAGES)}
+    assert c["forwarded"] == 0, c
+    if spin_us == "0":
+        assert c["spin_caught"] == c["spin_ns"] == 0, c
+    else:
+        # One reader faulting page after page: its next fault comes within the spin.
+        assert c["spin_caught"] > 0 and c["spin_ns"] > 0, c
+
+
+def test_the_spin_stops_on_isolated_faults(world, monkeypatch) -> None:
+    """Faults further apart than the longest spin halve it at each one, down to none: a sandbox
+    whose faults are isolated costs at most ~2x the longest spin in all."""
+    monkeypatch.setenv("AZQ_FAULT_SPIN_US", "1000")
+    ram, store, tpl = world
+    got, c = _spin_run(ram, store, tpl, gap_s=0.03)
+    assert got == {i: _content(i, 1) for i in range(12)}
+    assert c["spin_caught"] == 0, c
+    # 1 + 1/2 + 1/4 + ... ms of spins that caught nothing, then none.
+    assert c["spin_ns"] <= 2_000_000, c
+
+
+def test_a_spinning_thread_stops_at_once(world, monkeypatch) -> None:
+    monkeypatch.setenv("AZQ_FAULT_SPIN_US", "1000")
+    ram, store, tpl = world
+    ram.handle.register(ram.addr, ram.size)
+    _store_and_punch(ram, store, tpl, [0, 1], gen=1)
+    comp = CompositeSource.for_sandbox(PAGES, PS, stored=np.arange(2), store=StoreSource(store, "sb"))
+    h = FaultHandler(ram.handle, comp)
+    try:
+        h.start()
+        assert _read_all(ram, [0, 1]) == {0: _content(0, 1), 1: _content(1, 1)}
+        t0 = time.monotonic()
+        h.stop()                    # within the spin that followed the faults; joins the thread
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        h.close()
