@@ -22,8 +22,8 @@ DEFAULT_TCG_TB_CACHE_MIB = 96
 MAX_TCG_TB_CACHE_MIB = 2048
 # How long a native fault thread reads its uffd without sleeping after a fault, at most (us;
 # restore/_faultloop.c fp_main adapts it below this). A fault taken while it spins skips the
-# thread's wake-up: the guest's stall per fault went from 62-78 to 21-30 us here (docs/figures.md,
-# session 38). 0 never spins.
+# thread's wake-up: the guest's stall per fault went from 56-78 to 21-30 us median here
+# (docs/figures.md, session 38). 0 never spins.
 DEFAULT_FAULT_SPIN_US = 50
 MAX_FAULT_SPIN_US = 1000
 
@@ -59,30 +59,29 @@ class Config:
         return Path(os.environ.get("AZQ_PRELOAD_LIB", REPO_ROOT / "qemu-patches" / "libazq_uffd.so"))
 
 
+def _int_setting(var: str, default: int, top: int, unit: str) -> int:
+    """The integer from 0 to ``top`` in environment variable ``var`` (``default`` when unset);
+    ConfigError naming the variable if it is not such a number."""
+    raw = os.environ.get(var, str(default))
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= top:
+        raise ConfigError(f"{var}={raw!r}: expected {unit} from 0 to {top}")
+    return value
+
+
 def tcg_tb_cache_mib() -> int:
     """``AZQ_TCG_TB_CACHE_MIB``: the TCG translation cache of each new domain (MiB, 0 =
-    QEMU's default); ConfigError naming the variable if it is not such a number."""
-    raw = os.environ.get("AZQ_TCG_TB_CACHE_MIB", str(DEFAULT_TCG_TB_CACHE_MIB))
-    try:
-        mib = int(raw)
-    except ValueError:
-        mib = -1
-    if not 0 <= mib <= MAX_TCG_TB_CACHE_MIB:
-        raise ConfigError(f"AZQ_TCG_TB_CACHE_MIB={raw!r}: expected MiB from 0 to {MAX_TCG_TB_CACHE_MIB}")
-    return mib
+    QEMU's default)."""
+    return _int_setting("AZQ_TCG_TB_CACHE_MIB", DEFAULT_TCG_TB_CACHE_MIB, MAX_TCG_TB_CACHE_MIB, "MiB")
 
 
 def fault_spin_us() -> int:
     """``AZQ_FAULT_SPIN_US``: the native fault threads' longest spin after a fault (us, 0 =
-    never); ConfigError naming the variable if it is not such a number."""
-    raw = os.environ.get("AZQ_FAULT_SPIN_US", str(DEFAULT_FAULT_SPIN_US))
-    try:
-        us = int(raw)
-    except ValueError:
-        us = -1
-    if not 0 <= us <= MAX_FAULT_SPIN_US:
-        raise ConfigError(f"AZQ_FAULT_SPIN_US={raw!r}: expected microseconds from 0 to {MAX_FAULT_SPIN_US}")
-    return us
+    never)."""
+    return _int_setting("AZQ_FAULT_SPIN_US", DEFAULT_FAULT_SPIN_US, MAX_FAULT_SPIN_US, "microseconds")
 
 
 def load() -> Config:

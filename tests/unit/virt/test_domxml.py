@@ -4,11 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 from lxml import etree
 
-from azqemu import config
-from azqemu.errors import ConfigError
 from azqemu.virt import domxml
 from azqemu.virt.identity import new_identity
 
@@ -86,14 +83,3 @@ def test_tcg_translation_cache_is_bounded_only_under_tcg() -> None:
     spec = _spec("b3", tcg_tb_cache_mib=96)
     spec.libvirt_type = "kvm"
     assert etree.fromstring(domxml.build(spec).encode()).find("features/tcg") is None
-
-
-def test_tcg_translation_cache_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("AZQ_TCG_TB_CACHE_MIB", "0")
-    assert config.tcg_tb_cache_mib() == 0
-    monkeypatch.delenv("AZQ_TCG_TB_CACHE_MIB")
-    assert config.tcg_tb_cache_mib() == config.DEFAULT_TCG_TB_CACHE_MIB
-    for bad in ("lots", "-1", "1e3", str(config.MAX_TCG_TB_CACHE_MIB + 1)):
-        monkeypatch.setenv("AZQ_TCG_TB_CACHE_MIB", bad)
-        with pytest.raises(ConfigError, match="AZQ_TCG_TB_CACHE_MIB"):
-            config.tcg_tb_cache_mib()
