@@ -299,10 +299,11 @@ def _delta_faults(before: dict[str, Any], after: dict[str, Any]) -> int:
 
 def _spin(before: dict[str, Any], after: dict[str, Any], faults: int) -> dict[str, float]:
     """What the C fault thread's spin after a fault (config.fault_spin_us) did between two
-    readings: fault batches it caught without sleeping, and the time it spun (on a CPU)."""
+    readings: fault batches it caught without sleeping, and the time it spun (on a CPU, unless
+    preempted meanwhile)."""
     b, a = before["handler"].get("spin", {}), after["handler"].get("spin", {})
-    caught, cpu_s = a.get("caught", 0) - b.get("caught", 0), a.get("s", 0.0) - b.get("s", 0.0)
-    return {"caught": caught, "cpu_s": cpu_s, "cpu_us_per_fault": cpu_s * 1e6 / faults if faults else 0.0}
+    caught, spun_s = a.get("caught", 0) - b.get("caught", 0), a.get("s", 0.0) - b.get("s", 0.0)
+    return {"caught": caught, "spun_s": spun_s, "spun_us_per_fault": spun_s * 1e6 / faults if faults else 0.0}
 
 
 def _measure(c: Client, name: str, hot_mib: int, progress: Callable[[str], None]) -> dict[str, Any]:
@@ -418,7 +419,7 @@ def format_table(result: dict[str, Any]) -> str:
         ("fault_stall_us.median", "fault stall median (us, guest)", f"{result['fault_stall_us']['median']:.1f}"),
         ("fault_stall_us.p99", "fault stall p99 (us, guest)", f"{result['fault_stall_us']['p99']:.1f}"),
         ("fault_spin", "spin after a fault (us a fault, host)",
-         f"{result['fault_spin']['cpu_us_per_fault']:.1f}" if "fault_spin" in result else "-"),
+         f"{result['fault_spin']['spun_us_per_fault']:.1f}" if "fault_spin" in result else "-"),
         ("prefetch_mib_s", "prefetch (MiB/s)", f"{result['prefetch_mib_s']:.0f}"),
         ("resume_s", f"resume, {result['hot_set_mib']:.0f} MiB hot set (ms)", f"{result['resume_s'] * 1e3:.1f}"),
         ("faults_after_resume.without_prefetch", "faults in tool call, no prefetch", f"{fa['without_prefetch']}"),

@@ -458,6 +458,16 @@ static void serve(azq_fp *fp, uint64_t address, int64_t t0)
         map_around(fp, b, page);          /* after the faulting vCPU was woken */
 }
 
+/* One read of the uffd's messages into ``msgs`` (BATCH_MSGS): their bytes, 0 when there is
+ * none now, -1 on an error the thread cannot go on after. */
+static ssize_t read_msgs(azq_fp *fp, struct uffd_msg *msgs)
+{
+    ssize_t n = read(fp->uffd, msgs, BATCH_MSGS * sizeof(struct uffd_msg));
+    if (n < 0)
+        return errno == EAGAIN || errno == EINTR ? 0 : -1;
+    return n;
+}
+
 static void *fp_main(void *arg)
 {
     azq_fp *fp = arg;
@@ -475,16 +485,12 @@ static void *fp_main(void *arg)
      * vCPU meanwhile) halves it, down to none. */
     int64_t spin = fp->spin_max_ns, idle_from = 0;
     while (!fp->stopping) {
-        ssize_t n = -1;
+        ssize_t n = 0;
         int spinning = spin && idle_from && !fp->npending;
-        while (spinning && !fp->stopping && now_ns() - idle_from < spin) {
-            n = read(fp->uffd, msgs, sizeof(msgs));
-            if (n > 0)
-                break;
-            if (n < 0 && errno != EAGAIN && errno != EINTR)
-                goto out;
+        while (spinning && !fp->stopping && now_ns() - idle_from < spin && !(n = read_msgs(fp, msgs)))
             cpu_relax();
-        }
+        if (n < 0)
+            break;
         if (n > 0) {
             count(fp, C_SPIN_CAUGHT);
         } else {
@@ -495,12 +501,8 @@ static void *fp_main(void *arg)
                 break;
             if (r < 0 && errno != EINTR)
                 break;
-            n = read(fp->uffd, msgs, sizeof(msgs));
-            if (n < 0) {
-                if (errno != EAGAIN && errno != EINTR)
-                    break;
-                n = 0;
-            }
+            if ((n = read_msgs(fp, msgs)) < 0)
+                break;
         }
         int64_t t0 = now_ns();
         if (n > 0 && idle_from && fp->spin_max_ns) {
@@ -535,7 +537,6 @@ static void *fp_main(void *arg)
         if (n > 0)
             idle_from = now_ns();
     }
-out:
     /* Faults still waiting for a retry go to Python, which keeps serving after us. */
     for (int i = 0; i < fp->npending; i++)
         forward(fp, EV_FAULT, fp->pending[i], 0);

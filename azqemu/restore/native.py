@@ -244,7 +244,7 @@ class NativeLoop:
         del self._pins[:-64]
         return ctypes.addressof(obj)
 
-    def start(self, nice: int, spin_us: int = 0) -> None:
+    def start(self, nice: int, spin_us: int) -> None:
         """Start the thread at ``nice``; after a fault it reads the uffd without sleeping for
         up to ``spin_us`` (adapted below it: fp_main in _faultloop.c)."""
         if not self.handle:

@@ -48,5 +48,5 @@ def test_table_shows_the_next_cycle_when_measured() -> None:
 def test_table_shows_the_spin_per_fault() -> None:
     def spin_line(res: dict[str, object]) -> str:
         return next(line for line in rb.format_table(res).splitlines() if line.startswith("spin after a fault"))
-    assert spin_line(_result(fault_spin={"caught": 900, "cpu_s": 0.42, "cpu_us_per_fault": 15.0})).split()[-1] == "15.0"
+    assert spin_line(_result(fault_spin={"caught": 900, "spun_s": 0.42, "spun_us_per_fault": 15.0})).split()[-1] == "15.0"
     assert spin_line(_result()).split()[-1] == "-"      # a daemon that does not report it

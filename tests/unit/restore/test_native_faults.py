@@ -214,15 +214,15 @@ def test_a_lazy_clones_template_pages_are_read_by_the_c_thread(world, tmp_path) 
     assert c["from_template"] == c["native"] and c["from_store"] == c["from_zero"] == 0, c
 
 
-def _spin_run(ram: Ram, store: PageStore, tpl: TemplateImage, gap_s: float) -> tuple[dict[int, bytes], dict[str, int]]:
-    """Every page stored and punched, then read one at a time ``gap_s`` apart: the bytes read
-    and the C thread's counters."""
+def _spin_run(ram: Ram, store: PageStore, tpl: TemplateImage, pages: list[int],
+              gap_s: float) -> tuple[dict[int, bytes], dict[str, int]]:
+    """Every page stored and punched, then ``pages`` read one at a time ``gap_s`` apart: the
+    bytes read and the C thread's counters."""
     ram.handle.register(ram.addr, ram.size)
     _store_and_punch(ram, store, tpl, list(range(PAGES)), gen=1)
     comp = CompositeSource.for_sandbox(PAGES, PS, stored=np.arange(PAGES), store=StoreSource(store, "sb"))
     got: dict[int, bytes] = {}
     with FaultHandler(ram.handle, comp) as h:
-        pages = list(range(PAGES)) if not gap_s else list(range(12))
         for i in pages:
             got.update(_read_all(ram, [i]))
             time.sleep(gap_s)
@@ -237,7 +237,7 @@ def test_a_spinning_thread_serves_the_same_bytes(world, monkeypatch, spin_us) ->
     faults it catches that way get the stored bytes like any other; with 0 it never spins."""
     monkeypatch.setenv("AZQ_FAULT_SPIN_US", spin_us)
     ram, store, tpl = world
-    got, c = _spin_run(ram, store, tpl, gap_s=0.0)
+    got, c = _spin_run(ram, store, tpl, list(range(PAGES)), gap_s=0.0)
     assert got == {i: _content(i, 1) for i in range(PAGES)}
     assert c["forwarded"] == 0, c
     if spin_us == "0":
@@ -252,7 +252,7 @@ def test_the_spin_stops_on_isolated_faults(world, monkeypatch) -> None:
     whose faults are isolated costs at most ~2x the longest spin in all."""
     monkeypatch.setenv("AZQ_FAULT_SPIN_US", "1000")
     ram, store, tpl = world
-    got, c = _spin_run(ram, store, tpl, gap_s=0.03)
+    got, c = _spin_run(ram, store, tpl, list(range(12)), gap_s=0.03)
     assert got == {i: _content(i, 1) for i in range(12)}
     assert c["spin_caught"] == 0, c
     # 1 + 1/2 + 1/4 + ... ms of spins that caught nothing, then none.
