@@ -15,6 +15,16 @@ needs_schedstat = pytest.mark.skipif(not os.path.exists("/proc/self/schedstat"),
                                      reason="the kernel keeps no schedstat (CONFIG_SCHED_INFO)")
 
 
+def wait_os_threads_gone(tids: list[int], timeout_s: float = 10.0) -> None:
+    """Until the kernel has let go of the threads: a Python join returns once the thread's
+    Python part is done, a moment before its OS thread leaves /proc (a later test of this
+    process would still see its name)."""
+    deadline = time.monotonic() + timeout_s
+    while any(os.path.exists(f"/proc/self/task/{tid}") for tid in tids):
+        assert time.monotonic() < deadline, f"threads {tids} still in /proc/self/task"
+        time.sleep(0.001)
+
+
 @needs_schedstat
 def test_named_threads_are_found_and_their_waits_counted() -> None:
     """Two threads named like QEMU's vCPUs, each sleeping and waking: found by name (and no
@@ -47,6 +57,7 @@ def test_named_threads_are_found_and_their_waits_counted() -> None:
         stop.set()
         for t in ts:
             t.join(10)
+        wait_os_threads_gone(tids)
     assert schedstat.wait_of(pid, tids) is None                        # the threads are gone
     assert threads.threads_named(2**22 + 7, schedstat.VCPU_THREAD_PREFIX, prefix=True) == []   # no such process
 
@@ -66,7 +77,10 @@ def test_a_qemus_vcpu_threads_are_read_by_pid() -> None:
     stop = threading.Event()
     named = threading.Event()
 
+    tid: list[int] = []
+
     def vcpu() -> None:
+        tid.append(threading.get_native_id())
         threads.name_os_thread("CPU 0/KVM")
         named.set()
         stop.wait(10)
@@ -79,3 +93,4 @@ def test_a_qemus_vcpu_threads_are_read_by_pid() -> None:
     finally:
         stop.set()
         t.join(10)
+        wait_os_threads_gone(tid)
