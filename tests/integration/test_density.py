@@ -36,6 +36,8 @@ def test_every_policy_runs_and_guest_results_are_identical(daemon: object) -> No
         assert len(pol["steps"]) == sum(len(p) for p in plan), name
         assert pol["failed_steps"] == 0, (name, [s for s in pol["steps"] if s["exit_code"]])
         assert pol["owned_bytes_avg"] > 0 and pol["tool_latency_s"]["median"] > 0
+        # The guests' vCPU threads ran the tool calls: part of the QEMUs' CPU, not all of it.
+        assert 0 < pol["qemu_vcpu_user_s"] + pol["qemu_vcpu_sys_s"] <= pol["qemu_cpu_s"] + 0.05, name
     assert density.outputs_identical(result) == []
     # linux's zram holds what its two guests can swap, no more (its table costs per GiB).
     assert result["policies"]["linux"]["zram_disksize_bytes"] == 2 * (wl.template.mem_mib << 20)
