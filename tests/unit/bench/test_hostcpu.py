@@ -107,8 +107,8 @@ def test_note_names_each_policy() -> None:
                         "none": {}}}
     note = hostcpu.markdown_note(res)
     assert "agentzip: manager 40.0 s, QEMUs 400.0 s, host busy 97%" in note and "none:" not in note
-    res["policies"]["agentzip"].update(qemu_vcpu_user_s=350.0, qemu_vcpu_sys_s=20.25)
-    assert ("agentzip: manager 40.0 s, QEMUs 400.0 s (vCPU threads 350.0 s user, 20.2 s system), host busy 97%"
+    res["policies"]["agentzip"].update(qemu_vcpu_user_s=350.0, qemu_vcpu_sys_s=20.5)
+    assert ("agentzip: manager 40.0 s, QEMUs 400.0 s (vCPU threads 350.0 s user, 20.5 s system), host busy 97%"
             in hostcpu.markdown_note(res))
 
 

@@ -5,11 +5,22 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import time
 from collections.abc import Iterator
 
 import pytest
 
 MIB = 1 << 20
+
+
+def wait_os_threads_gone(tids: list[int], timeout_s: float = 10.0) -> None:
+    """Until the kernel has let go of this process's threads ``tids``: a Python join returns
+    once a thread's Python part is done, a moment before its OS thread leaves /proc (a later
+    test of this process would still see its name)."""
+    deadline = time.monotonic() + timeout_s
+    while any(os.path.exists(f"/proc/self/task/{tid}") for tid in tids):
+        assert time.monotonic() < deadline, f"threads {tids} still in /proc/self/task"
+        time.sleep(0.001)
 
 
 @pytest.fixture

@@ -11,18 +11,10 @@ import pytest
 from azqemu.host import schedstat, threads
 from azqemu.host.schedstat import SchedWait
 
+from .conftest import wait_os_threads_gone
+
 needs_schedstat = pytest.mark.skipif(not os.path.exists("/proc/self/schedstat"),
                                      reason="the kernel keeps no schedstat (CONFIG_SCHED_INFO)")
-
-
-def wait_os_threads_gone(tids: list[int], timeout_s: float = 10.0) -> None:
-    """Until the kernel has let go of the threads: a Python join returns once the thread's
-    Python part is done, a moment before its OS thread leaves /proc (a later test of this
-    process would still see its name)."""
-    deadline = time.monotonic() + timeout_s
-    while any(os.path.exists(f"/proc/self/task/{tid}") for tid in tids):
-        assert time.monotonic() < deadline, f"threads {tids} still in /proc/self/task"
-        time.sleep(0.001)
 
 
 @needs_schedstat

@@ -10,6 +10,8 @@ import pytest
 
 from azqemu.host import threads
 
+from .conftest import wait_os_threads_gone
+
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="lowering a nice value needs CAP_SYS_NICE")
 
 
@@ -141,9 +143,6 @@ def test_a_threads_cpu_is_read_by_id_and_a_gone_one_is_none() -> None:
     finally:
         done.set()
         t.join(10)
-    deadline = time.monotonic() + 10
-    while os.path.exists(f"/proc/self/task/{tid[0]}"):    # the OS thread leaves a moment after join
-        assert time.monotonic() < deadline
-        time.sleep(0.001)
+    wait_os_threads_gone(tid)
     assert threads.thread_cpu_s(os.getpid(), tid[0]) is None
     assert threads.thread_cpu_s(2**22 + 7, 1) is None                # no such process
