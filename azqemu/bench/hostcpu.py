@@ -33,11 +33,14 @@ def _process_cpu_s(pid: int) -> float:
 def _vcpu_cpu_s(pid: int) -> tuple[float, float] | None:
     """User and system CPU seconds of a QEMU's vCPU threads together; None when it has none
     (gone, or not a QEMU)."""
-    times = [t for tid in threads.threads_named(pid, VCPU_THREAD_PREFIX, prefix=True)
-             if (t := threads.thread_cpu_s(pid, tid)) is not None]
+    vcpus = set(threads.threads_named(pid, VCPU_THREAD_PREFIX, prefix=True))
+    try:
+        times = [t for t in psutil.Process(pid).threads() if t.id in vcpus] if vcpus else []
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
     if not times:
         return None
-    return sum(u for u, _ in times), sum(s for _, s in times)
+    return sum(t.user_time for t in times), sum(t.system_time for t in times)
 
 
 @dataclass(frozen=True)

@@ -113,22 +113,6 @@ def threads_named(pid: int, comm: str, *, prefix: bool = False) -> list[int]:
     return sorted(out)
 
 
-# Clock ticks a second: the unit of /proc's per-thread CPU times.
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def thread_cpu_s(pid: int, tid: int) -> tuple[float, float] | None:
-    """User and system CPU seconds of thread ``tid`` of process ``pid`` (/proc/PID/task/TID/stat,
-    fields 14 and 15); None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/task/{tid}/stat") as f:
-            text = f.read()
-    except OSError:
-        return None
-    fields = text[text.rindex(")") + 2:].split()      # the name may hold spaces and parentheses
-    return int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK
-
-
 def set_nice_of_named(pid: int, comm: str, nice: int) -> int:
     """Set the nice value of process ``pid``'s threads named ``comm`` (another process's:
     QEMU's export thread, which a paused guest waits for). Returns how many were set."""
