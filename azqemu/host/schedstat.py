@@ -20,15 +20,17 @@ VCPU_THREAD_PREFIX = "CPU "
 
 @dataclass(frozen=True)
 class SchedWait:
-    """Cumulative over some threads: nanoseconds waited runnable, times put on a CPU."""
+    """Cumulative over some threads: nanoseconds waited runnable, times put on a CPU, and
+    nanoseconds run (a paused guest's vCPU threads do not run: it is constant then)."""
 
     wait_ns: int
     slices: int
+    run_ns: int = 0
 
 
 def wait_of(pid: int, tids: list[int]) -> SchedWait | None:
     """The threads' waits summed; None when one of them is gone or the kernel keeps none."""
-    wait_ns = slices = 0
+    wait_ns = slices = run_ns = 0
     for tid in tids:
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
@@ -37,9 +39,10 @@ def wait_of(pid: int, tids: list[int]) -> SchedWait | None:
             return None
         if len(fields) < 3:
             return None
+        run_ns += int(fields[0])
         wait_ns += int(fields[1])
         slices += int(fields[2])
-    return SchedWait(wait_ns, slices) if tids else None
+    return SchedWait(wait_ns, slices, run_ns) if tids else None
 
 
 def vcpu_wait(qemu_pid: int) -> SchedWait | None:

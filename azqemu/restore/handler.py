@@ -370,8 +370,10 @@ class FaultHandler:
                             self._stale + c["stale"], self._removes, self._other + c["other_events"], med, p99,
                             len(t), c["native"])
 
-    def native_counters(self) -> dict[str, int]:
-        """The C thread's own counters (empty without it): faults it read, answered, forwarded."""
+    def fault_count(self) -> int:       # stats().faults without the service-time quantiles
+        return self._faults + (self._native.counters()["faults"] if self._native is not None else 0)
+
+    def native_counters(self) -> dict[str, int]:     # the C thread's own (empty without it)
         return self._native.counters() if self._native is not None else {}
 
     # -- the loop ------------------------------------------------------------------------

@@ -288,3 +288,47 @@ def test_the_arenas_dead_bytes_are_shared_out_pro_rata() -> None:
     assert StoreBytes(0, 0, 0, 0, 0, 0).dead_overhead == 1.0       # an empty store
     # Compacted past what the books hold (allocated below live): no negative share.
     assert StoreBytes(1, 1, 1000, 900, 1000, 0, arena_allocated_bytes=900).dead_overhead == 1.0
+
+
+def test_a_compressed_clones_copies_are_counted_again_only_when_something_moved(
+        mgr: Manager, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compressed copy-on-write clone's guest is paused: its copies are counted once and
+    that count is given back until its vCPUs run, the manager serves a fault for it, it is
+    compressed again, it is no longer compressed, or STILL_COPIES_MAX_AGE_S passes."""
+    from azqemu.daemon import accounting
+    from azqemu.host import schedstat, threads
+    monkeypatch.setattr(memacct, "read_ksm", lambda: memacct.KsmStat())
+    scans: list[int] = []
+    copies = [10]
+    monkeypatch.setattr(pagemap, "anon_page_counts", lambda pid, hva, n: scans.append(pid) or (copies[0], 0))
+    run_ns, faults, now = [1000], [0], [100.0]
+    monkeypatch.setattr(threads, "threads_named", lambda pid, comm, prefix=False: [7])
+    monkeypatch.setattr(schedstat, "wait_of", lambda pid, tids: schedstat.SchedWait(0, 1, run_ns[0]))
+    monkeypatch.setattr(accounting.time, "monotonic", lambda: now[0])
+    mem = FakeMem(3000, compressed=True)
+    mem.handler = SimpleNamespace(fault_count=lambda: faults[0])  # type: ignore[attr-defined]
+    mgr.memory.mem["c0"] = mem  # type: ignore[assignment]
+    state = ["compressed"]
+    monkeypatch.setattr(mgr.registry, "state_of", lambda name: (state[0], None))
+
+    def resident() -> int:
+        return int(mgr.op_owned(["c0"])["sandboxes"]["c0"]["resident_bytes"])
+
+    assert resident() == 10 * PAGE and len(scans) == 1
+    copies[0] = 12                   # not seen: nothing that could change them moved
+    assert resident() == 10 * PAGE and len(scans) == 1
+    for move in (lambda: run_ns.__setitem__(0, 2000),                  # its vCPUs ran
+                 lambda: faults.__setitem__(0, 1),                     # a fault was served
+                 lambda: mgr.memory.compress_count.__setitem__("c0", 1),   # compressed again
+                 lambda: now.__setitem__(0, now[0] + accounting.STILL_COPIES_MAX_AGE_S)):
+        copies[0] += 1
+        move()
+        assert resident() == copies[0] * PAGE
+        assert resident() == copies[0] * PAGE       # and kept again
+    n = len(scans)
+    state[0] = "running"             # resumed: counted at every read
+    assert resident() == copies[0] * PAGE and resident() == copies[0] * PAGE and len(scans) == n + 2
+    mem.compressed = False
+    state[0] = "compressed"
+    resident()
+    assert len(scans) == n + 3 and "c0" not in mgr.accounting._still
