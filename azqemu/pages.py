@@ -55,6 +55,18 @@ def in_sorted(values: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
     return hit
 
 
+def not_in_ids(values: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """``~np.isin(values, ids)`` for non-negative integer ids (blob ids), through a table of
+    flags as long as the largest id: one pass, where isin sorts both arrays (a flush purged
+    its 200,000 similarity entries of a few thousand freed ids in 3.0 ms, against 0.5)."""
+    values, ids = np.asarray(values), np.asarray(ids)
+    if not len(values) or not len(ids):
+        return np.ones(len(values), dtype=bool)
+    flags = np.zeros(max(int(values.max()), int(ids.max())) + 1, dtype=bool)
+    flags[ids] = True
+    return ~flags[values]
+
+
 def unique_idx(values: np.ndarray) -> np.ndarray:
     """``np.unique(values)`` of integers (ascending, each once) by a stable sort. numpy 2.3+
     hashes in np.unique: 6.0 ms for 40,000 page indices here against 1.3 ms for a sort, and

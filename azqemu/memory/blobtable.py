@@ -29,7 +29,7 @@ import numpy as np
 from azqemu.memory.attempts import AttemptOdds
 from azqemu.memory.kinds import Method, RefType
 from azqemu.memory.simindex import LayeredIndex, SimilarityIndex
-from azqemu.pages import unique_counts, unique_idx
+from azqemu.pages import not_in_ids, unique_counts, unique_idx
 
 BLOB_DTYPE = np.dtype([("key", "<u8"), ("check", "<u8"), ("offset", "<u4"), ("ref", "<u4"),
                        ("refcount", "<u4"), ("arena", "<u2"), ("length", "<u2"), ("domain", "<u2"),
@@ -186,7 +186,7 @@ class BlobTable:
         for d in self.domains.values():
             self._merge_sim(d)
             if len(d.sim):
-                keep = ~np.isin(d.sim.sources, dead)
+                keep = not_in_ids(d.sim.sources, dead)
                 if not keep.all():
                     d.sim = SimilarityIndex(d.sim.keys[keep], d.sim.sources[keep])
         self.free = np.concatenate([self.free, self.quarantine])

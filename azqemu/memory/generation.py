@@ -63,7 +63,7 @@ from azqemu.memory.persist import (
 )
 from azqemu.memory.sbxindex import SandboxIndex
 from azqemu.memory.simindex import SimilarityIndex
-from azqemu.pages import unique_idx
+from azqemu.pages import not_in_ids, unique_idx
 
 _REFTYPE_BLOB = int(RefType.BLOB)
 QUARANTINE_DIR = "quarantine"
@@ -190,7 +190,7 @@ def _binary(snap: GenerationSnapshot) -> list[bytes | memoryview]:
             sim = SimilarityIndex.merged([sim] + pending)
         keys, src = sim.keys, sim.sources.astype(np.uint32)
         if len(dead) and len(src):
-            keep = ~np.isin(src, dead)
+            keep = not_in_ids(src, dead)
             keys, src = keys[keep], src[keep]
         dm["sim_entries"] = len(keys)
         binary.append(np.ascontiguousarray(keys, dtype="<u8").data)

@@ -12,6 +12,7 @@ from azqemu.pages import (
     Scratch,
     in_sorted,
     intersect_idx,
+    not_in_ids,
     page_runs,
     scratch_rows,
     setdiff_idx,
@@ -50,6 +51,15 @@ def test_in_sorted_is_isin_for_a_sorted_set(values: list[int], members: list[int
     v = np.array(values, dtype=np.uint32)
     m = np.sort(np.array(members, dtype=np.int64))
     np.testing.assert_array_equal(in_sorted(v, m), np.isin(v, m))
+
+
+@settings(max_examples=200, deadline=None)
+@given(values=st.lists(st.integers(0, 300), max_size=60), ids=st.lists(st.integers(0, 300), max_size=60))
+def test_not_in_ids_is_the_negated_isin(values: list[int], ids: list[int]) -> None:
+    """The flag table answers as ~np.isin, for u32 values against i64 ids, in any order."""
+    v = np.array(values, dtype=np.uint32)
+    i = np.array(ids, dtype=np.int64)
+    np.testing.assert_array_equal(not_in_ids(v, i), ~np.isin(v, i))
 
 
 _IDX = st.lists(st.integers(0, 300), max_size=60)
