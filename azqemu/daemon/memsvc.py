@@ -386,6 +386,10 @@ class MemoryService:
             encoded = max(0, st.resident_pages - st.left_pages - st.unchanged_pages - st.raw_untried_pages) * PAGE_SIZE
             self.compress_encoded_bytes[rec.name] = self.compress_encoded_bytes.get(rec.name, 0) + encoded
         stored_bytes = self.last_stored_bytes[rec.name] = mem.stored_bytes()
+        # Copy-on-write, finished: every copy it read went but the incompressible ones (a scan
+        # of the RAM's page tables would take 1.5 ms to say so). Otherwise: scanned.
+        whole = mem.cow and not st.cancelled and st.left_pages == 0
+        resident_bytes = st.raw_pages * PAGE_SIZE if whole else mem.resident_bytes()
         log.debug("%s: compressed %d of %d resident pages, %d mapped back; scan %.4f s, encode %.4f s, "
                   "drop %.4f s, total %.4f s, CPU %.4f s%s", rec.name, st.stored_pages, st.resident_pages,
                   st.mapped_pages, st.scan_s, st.encode_s, st.punch_s, st.total_s, cpu_s,
@@ -400,7 +404,7 @@ class MemoryService:
                 "cancelled": st.cancelled, "unchanged_pages": st.unchanged_pages,
                 "raw_untried_pages": st.raw_untried_pages,
                 "budget_stopped": st.budget_stopped, "left_pages": st.left_pages, "stored_bytes": stored_bytes,
-                "resident_bytes": mem.resident_bytes(), "tries": st.tries, "cpu_s": cpu_s}
+                "resident_bytes": resident_bytes, "tries": st.tries, "cpu_s": cpu_s}
 
     def note_call(self, name: str, argv: list[str], stdin: bytes | None, kind: str | None) -> int | None:
         """A tool call starts in this sandbox: its kind (daemon/callkinds.py), noted for the

@@ -46,8 +46,11 @@ def test_a_compressed_clones_count_is_kept_while_paused_and_follows_the_guest(te
     conn = libvirt.open("qemu:///system")
     try:
         assert sh(name, "head -c 4000000 /dev/urandom > /tmp/kept")[0] == 0     # copies to keep (RAW)
-        c.compress(name=name)
+        res = c.compress(name=name)
         pid = c.dominfo(name).qemu_pid
+        assert pid
+        # The compression's own figure (its incompressible copies, not scanned) is the scan's.
+        assert res.raw_pages > 0 and res.resident_bytes == Accounting.ram_resident_bytes(pid, "cow")
         assert pid
         first = _owned_resident(c, name)
         assert first > 0
