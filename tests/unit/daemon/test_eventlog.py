@@ -178,6 +178,7 @@ class _FakeMem:
     def __init__(self, fail: BaseException | None = None) -> None:
         self.owner = "u"
         self.compressed = True
+        self.cow = False
         self.template = SimpleNamespace(drop_mapped=lambda: None)
         self.fail = fail
 
