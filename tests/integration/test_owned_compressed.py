@@ -51,7 +51,6 @@ def test_a_compressed_clones_count_is_kept_while_paused_and_follows_the_guest(te
         assert pid
         # The compression's own figure (its incompressible copies, not scanned) is the scan's.
         assert res.raw_pages > 0 and res.resident_bytes == Accounting.ram_resident_bytes(pid, "cow")
-        assert pid
         first = _owned_resident(c, name)
         assert first > 0
         for _ in range(3):
