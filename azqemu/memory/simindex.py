@@ -14,10 +14,11 @@ pages to say anything and are not sampled (fingerprint 0).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from azqemu.memory.kinds import WORDS_PER_PAGE
+from azqemu.memory.kinds import PAGE_SIZE, WORDS_PER_PAGE
 
 # Sample blocks: 8 words (64 bytes) at word offsets spread over the page. The offsets are
 # arbitrary but fixed (they are part of nothing on disk; changing them only changes which
@@ -31,7 +32,17 @@ assert all(o + SAMPLE_WORDS <= WORDS_PER_PAGE for o in SAMPLE_WORD_OFFSETS)
 _MIX = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0x85EBCA77C2B2AE63,
                  0x27D4EB2F165667C5, 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53, 0xD6E8FEB86659FD93],
                 dtype=np.uint64)
+# The source dtypes the C loops read, as azq_sim_hits names them.
+_SOURCE_BYTES = {np.dtype(np.uint32): 4, np.dtype(np.int32): -4, np.dtype(np.int64): 8}
 _SLOT = np.array([0x0, 0x5851F42D4C957F2D, 0x14057B7EF767814F, 0x2545F4914F6CDD1D], dtype=np.uint64)
+
+
+def _native() -> Any | None:
+    """_pagecodec.so's loops (one call a batch; the numpy below is the fallback, kept to the
+    same results by tests/unit/memory/test_simindex_native.py)."""
+    from azqemu.memory.zstdlib import _NATIVE
+
+    return _NATIVE
 
 
 def sample_fingerprints(pages: np.ndarray) -> np.ndarray:
@@ -40,7 +51,16 @@ def sample_fingerprints(pages: np.ndarray) -> np.ndarray:
     out = np.zeros((n, N_SAMPLES), dtype=np.uint64)
     if n == 0:
         return out
-    words = np.ascontiguousarray(pages).view(np.uint64)
+    pages = np.ascontiguousarray(pages)
+    lib = _native()
+    if lib is not None and pages.dtype == np.uint8 and pages.size == n * PAGE_SIZE:
+        lib.azq_sample_fingerprints(n, pages.ctypes.data, out.ctypes.data)
+        return out
+    return _numpy_fingerprints(pages, out)
+
+
+def _numpy_fingerprints(pages: np.ndarray, out: np.ndarray) -> np.ndarray:
+    words = pages.view(np.uint64).reshape(len(pages), WORDS_PER_PAGE)
     with np.errstate(over="ignore"):
         for k, off in enumerate(SAMPLE_WORD_OFFSETS):
             blk = words[:, off:off + SAMPLE_WORDS]
@@ -108,6 +128,12 @@ class SimilarityIndex:
         self.excluded_hit = np.zeros(n, dtype=bool)
         if n == 0 or len(self.keys) == 0:
             return np.full(n, -1, np.int64), np.zeros(n, np.int64)
+        lib = _native()
+        if lib is not None and self._native_ok(fps):
+            cand = np.empty(fps.shape, np.int64)
+            ex = None if exclude is None else np.ascontiguousarray(exclude, dtype=np.int64)
+            self._hits(lib, fps, cand, ex, only_missing=False)
+            return _native_best(lib, cand)
         cand, hit, pos_c = self.first_hits(fps)
         if exclude is not None:
             # A duplicated fingerprint may hide a second candidate behind the excluded one:
@@ -120,6 +146,23 @@ class SimilarityIndex:
                 cand = np.where(ex, np.where(alt_hit, self.sources[nxt].astype(np.int64), -1), cand)
         return best_candidates(cand)
 
+    def _native_ok(self, fps: np.ndarray) -> bool:
+        """Whether the C loops take these arrays as they are (the usual case)."""
+        return (fps.dtype == np.uint64 and fps.ndim == 2 and fps.shape[1] == N_SAMPLES and fps.flags.c_contiguous
+                and self.keys.dtype == np.uint64 and self.keys.flags.c_contiguous
+                and self.sources.dtype in _SOURCE_BYTES and self.sources.flags.c_contiguous)
+
+    def _hits(self, lib: Any, fps: np.ndarray, cand: np.ndarray, exclude: np.ndarray | None, *,
+              only_missing: bool) -> None:
+        """First hits into ``cand`` in C (``azq_sim_hits``); with ``exclude``, sets
+        ``excluded_hit``."""
+        ex_hit = np.zeros(len(fps), np.uint8) if exclude is not None else None
+        lib.azq_sim_hits(fps.size, fps.ctypes.data, len(self.keys), self.keys.ctypes.data, self.sources.ctypes.data,
+                         _SOURCE_BYTES[self.sources.dtype], None if exclude is None else exclude.ctypes.data,
+                         int(only_missing), cand.ctypes.data, None if ex_hit is None else ex_hit.ctypes.data)
+        if ex_hit is not None:
+            self.excluded_hit = ex_hit.view(bool)
+
     def first_hits(self, fps: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per fingerprint, the source of its first entry (-1: none), whether it hit, and where."""
         if len(self.keys) == 0:
@@ -128,6 +171,13 @@ class SimilarityIndex:
         hit = (self.keys[pos_c] == fps) & (fps != 0)
         # int64 first: blob indices hold u32 sources, where -1 would wrap to a valid-looking id.
         return np.where(hit, self.sources[pos_c].astype(np.int64), -1), hit, pos_c
+
+
+def _native_best(lib: Any, cand: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``best_candidates`` in C, for a C-contiguous (n, N_SAMPLES) int64 ``cand``."""
+    best, votes = np.empty(len(cand), np.int64), np.empty(len(cand), np.int64)
+    lib.azq_best_candidates(len(cand), cand.ctypes.data, best.ctypes.data, votes.ctypes.data)
+    return best, votes
 
 
 def best_candidates(cand: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -157,6 +207,12 @@ class LayeredIndex:
         n = len(fps)
         if n == 0 or len(self) == 0:
             return np.full(n, -1, np.int64), np.zeros(n, np.int64)
+        lib = _native()
+        if lib is not None and self.old._native_ok(fps) and self.young._native_ok(fps):
+            cand = np.empty(fps.shape, np.int64)
+            self.old._hits(lib, fps, cand, None, only_missing=False)
+            self.young._hits(lib, fps, cand, None, only_missing=True)
+            return _native_best(lib, cand)
         cand = self.old.first_hits(fps)[0]
         miss = cand < 0
         if miss.any():
