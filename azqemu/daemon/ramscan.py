@@ -21,12 +21,17 @@ from azqemu.memory.ram import read_file_pages, resident_page_index
 from azqemu.memory.zstdlib import compact_rows
 from azqemu.pages import PAGE_SIZE, Scratch, scratch_rows, take_rows
 
-# 2 MiB: the read buffer, compacted in place (without_rows), and the encoder's work buffers
-# (three page arrays of 128 unique pages, the batch codec's output) are what a compression
-# holds above idle: ~4 MiB at this size, against ~25 MiB at the 8 MiB chunks before. Encode
-# throughput measured the same at 512, 1024 and 2048 pages (within the noise of a shared host:
-# the per-call cost of PageStore.encode is small).
-CHUNK_PAGES = 512
+# 8 MiB: the read buffer, compacted in place (without_rows), and the encoder's work buffers
+# (three page arrays of 128 unique pages, the batch codec's output, whatever the chunk) are what a
+# compression holds above idle: ~13 MiB at this size against ~6 MiB at 512 pages
+# (tests/unit/daemon/test_ramscan_memory.py), and ~25 MiB when the encoder's buffers grew with
+# the chunk too. Each chunk costs a pass of a dozen steps in Python and numpy whatever its size
+# (hashes, checks against the entries, a PageStore.encode call with its plan and commit): a
+# coding-agent compression of ~2,950 copies took a median 14% less CPU in 2 chunks than in 6
+# (one sandbox's compress/resume cycles, 2048 against 512 pages, five pairs: -20% to +2%;
+# session 41). A commit holds the store's lock ~1.6 ms for 2,048 pages against ~0.8 ms for
+# 512, in a third as many takes.
+CHUNK_PAGES = 2048
 
 
 def without_rows(part: np.ndarray, pages: np.ndarray, drop: np.ndarray,
@@ -34,7 +39,7 @@ def without_rows(part: np.ndarray, pages: np.ndarray, drop: np.ndarray,
     """``part`` and ``pages`` less the rows where ``drop`` is true. Without ``scratch``, new
     arrays. With it, ``pages`` is a work buffer itself (``RamScan.chunks``' rows, valid until
     the next chunk): the pages kept move up within it, in place (C), or where _pagecodec.so is
-    not built go into the scratch buffer "kept". In place, no second 2 MiB buffer is filled:
+    not built go into the scratch buffer "kept". In place, no second 8 MiB buffer is filled:
     fresh memory costs a page fault per page on its first write (pages.py)."""
     keep = ~drop
     if scratch is None:

@@ -24,6 +24,7 @@ from azqemu.memory.zstdlib import PageZstd
 from azqemu.pages import unique_idx
 
 _REFTYPE_BLOB = int(RefType.BLOB)
+_COST_US_OF_METHOD = np.array([DECODE_COST_US[Method(m)] for m in range(max(Method) + 1)])
 # Blobs decoded for the encoder (DUP confirmation, SDELTA bases) are cached per encode call.
 ENCODER_BLOB_CACHE_PAGES = 4096
 
@@ -101,10 +102,18 @@ class StoreDomainView:
         i = int(np.searchsorted(self.own_refs, blob_id))
         return not (i < len(self.own_refs) and int(self.own_refs[i]) == blob_id)
 
-    def blob_is_base(self, blob_id: int) -> bool:
-        rows = self.table.rows
-        return (blob_id < self.table.n and int(rows["refcount"][blob_id]) > 0
-                and int(rows["domain"][blob_id]) == self.d.did and int(rows["reftype"][blob_id]) != _REFTYPE_BLOB)
+    def bases_among(self, blob_ids: np.ndarray) -> np.ndarray:
+        """Per blob: whether it may serve as an SDELTA base (live, of this domain, not itself
+        based on a blob). Read without the lock: the commit checks again."""
+        ids = np.asarray(blob_ids, dtype=np.int64)
+        ok = (ids >= 0) & (ids < self.table.n)
+        r = self.table.rows[ids[ok]]
+        ok[ok] = (r["refcount"] > 0) & (r["domain"] == self.d.did) & (r["reftype"] != _REFTYPE_BLOB)
+        return ok
+
+    def decode_costs_us(self, blob_ids: np.ndarray) -> np.ndarray:
+        """``blob_decode_cost_us`` of many blobs."""
+        return _COST_US_OF_METHOD[self.table.rows["method"][np.asarray(blob_ids, dtype=np.int64)]]
 
     def sim_index(self) -> SimilarityIndex | LayeredIndex:
         with self.lock:

@@ -112,7 +112,8 @@ class DomainView(Protocol):
     def blob_pages(self, blob_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
     def blob_decode_cost_us(self, blob_id: int) -> float: ...
     def blob_shared(self, blob_id: int) -> bool: ...                   # referenced more than once
-    def blob_is_base(self, blob_id: int) -> bool: ...                  # may serve as SDELTA base
+    def bases_among(self, blob_ids: np.ndarray) -> np.ndarray: ...    # per blob: may serve as SDELTA base
+    def decode_costs_us(self, blob_ids: np.ndarray) -> np.ndarray: ...  # blob_decode_cost_us of many
     def sim_index(self) -> SimilarityIndex | LayeredIndex: ...         # sources are blob ids
 
 
@@ -368,14 +369,14 @@ class Encoder:
         sref = self._scratch("s", m)
         take_rows(template.pages_z, template.rows_z(np.maximum(cand_t, 0)), sref)
         if domain is not None:
-            bases = np.asarray([i for i in np.flatnonzero(use_b).tolist() if domain.blob_is_base(int(cand_b[i]))],
-                               dtype=np.int64)
+            named = np.flatnonzero(use_b)
+            bases = named[domain.bases_among(cand_b[named])]
             if len(bases):
                 base_pages, live = domain.blob_pages(cand_b[bases])   # not live: freed since the index named it
                 i_arr = bases[live]
                 sref[i_arr] = base_pages[live]
                 s_kind[i_arr], s_ref[i_arr] = 2, cand_b[i_arr]
-                s_cost[i_arr] = [domain.blob_decode_cost_us(b) for b in cand_b[i_arr].tolist()]
+                s_cost[i_arr] = domain.decode_costs_us(cand_b[i_arr])
         has_s = s_kind > 0
         same_s = (uw == sref.view(np.uint64)).sum(axis=1)
         do_xor_s = has_s & (same_s >= XOR_MIN_SAME_WORDS)
