@@ -32,8 +32,10 @@ assert all(o + SAMPLE_WORDS <= WORDS_PER_PAGE for o in SAMPLE_WORD_OFFSETS)
 _MIX = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0x85EBCA77C2B2AE63,
                  0x27D4EB2F165667C5, 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53, 0xD6E8FEB86659FD93],
                 dtype=np.uint64)
-# The source dtypes the C loops read, as azq_sim_hits names them.
+# The source dtypes the C loops read, as azq_sim_hits names them; the samples a page they
+# compute (_pagecodec.c's SAMPLE_OFF): other than N_SAMPLES, the numpy path runs.
 _SOURCE_BYTES = {np.dtype(np.uint32): 4, np.dtype(np.int32): -4, np.dtype(np.int64): 8}
+_C_SAMPLES = 4
 _SLOT = np.array([0x0, 0x5851F42D4C957F2D, 0x14057B7EF767814F, 0x2545F4914F6CDD1D], dtype=np.uint64)
 
 
@@ -53,7 +55,7 @@ def sample_fingerprints(pages: np.ndarray) -> np.ndarray:
         return out
     pages = np.ascontiguousarray(pages)
     lib = _native()
-    if lib is not None and pages.dtype == np.uint8 and pages.size == n * PAGE_SIZE:
+    if lib is not None and N_SAMPLES == _C_SAMPLES and pages.dtype == np.uint8 and pages.size == n * PAGE_SIZE:
         lib.azq_sample_fingerprints(n, pages.ctypes.data, out.ctypes.data)
         return out
     return _numpy_fingerprints(pages, out)
@@ -132,6 +134,8 @@ class SimilarityIndex:
         if lib is not None and self._native_ok(fps):
             cand = np.empty(fps.shape, np.int64)
             ex = None if exclude is None else np.ascontiguousarray(exclude, dtype=np.int64)
+            if ex is not None and ex.shape != (n,):
+                raise ValueError(f"exclude holds {ex.shape} sources for {n} rows")
             self._hits(lib, fps, cand, ex, only_missing=False)
             return _native_best(lib, cand)
         cand, hit, pos_c = self.first_hits(fps)
@@ -148,7 +152,7 @@ class SimilarityIndex:
 
     def _native_ok(self, fps: np.ndarray) -> bool:
         """Whether the C loops take these arrays as they are (the usual case)."""
-        return (fps.dtype == np.uint64 and fps.ndim == 2 and fps.shape[1] == N_SAMPLES and fps.flags.c_contiguous
+        return (fps.dtype == np.uint64 and fps.ndim == 2 and fps.shape[1] == _C_SAMPLES and fps.flags.c_contiguous
                 and self.keys.dtype == np.uint64 and self.keys.flags.c_contiguous
                 and self.sources.dtype in _SOURCE_BYTES and self.sources.flags.c_contiguous)
 

@@ -112,3 +112,9 @@ def test_vote_takes_the_first_of_a_tie_and_skips_misses() -> None:
     got = simindex._native_best(simindex._native(), np.ascontiguousarray(cand))
     assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
     assert got[0].tolist() == [5, -1, 3, 2] and got[1].tolist() == [2, 0, 1, 3]
+
+
+def test_an_exclude_of_another_length_is_refused() -> None:
+    index, fps = _index(5, 10, np.int64)
+    with pytest.raises(ValueError, match="exclude"):
+        index.query(fps, exclude=np.zeros(len(fps) + 1, np.int64))
