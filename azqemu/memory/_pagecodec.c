@@ -43,7 +43,7 @@ enum { C_ZSTD = 0, C_XOR_T = 1, C_PREFIX_T = 2, C_XOR_S = 3, C_PREFIX_S = 4, C_L
 /* Decode methods: numbering of azqemu.memory.kinds.Method. */
 enum { M_ZSTD = 0, M_XOR = 1, M_PREFIX = 2, M_LZ4 = 3, M_LZ4_XOR = 4, M_PATCH = 5 };
 
-int azq_pagecodec_abi(void) { return 10; }
+int azq_pagecodec_abi(void) { return 11; }
 
 /*
  * Background work below the guests without the GIL below them. ctypes releases the GIL around
@@ -554,37 +554,33 @@ void azq_gather(int k, uint8_t *dst, const uint64_t *src, const uint32_t *len)
 /*
  * The similarity index's two per-page steps (simindex.py), one C loop each instead of a few
  * dozen numpy calls on batches of ~100 pages, whose fixed cost was most of theirs. Both give
- * exactly what the numpy versions give (tests/unit/memory/test_simindex_native.py).
+ * exactly what the numpy versions give (tests/unit/memory/test_simindex_native.py). The sample
+ * offsets and mixing constants are simindex.py's, passed in: defined there only.
  *
- * azq_sample_fingerprints: out[i*4 + k] = the fingerprint of the 8 words at word offset
- * SAMPLE_OFF[k] of page i (a multiply-sum of the words, mod 2^64, then a xorshift-multiply
- * mix, the sample's slot xored in, the low bit set), or 0 where the 8 words are all equal.
+ * azq_sample_fingerprints: out[i*k_samples + k] = the fingerprint of the 8 words at word
+ * offset off[k] of page i (a multiply-sum of the words by mix[], mod 2^64, then a
+ * xorshift-multiply mix, slot[k] xored in, the low bit set), or 0 where the 8 words are all equal.
  */
-static const int SAMPLE_OFF[4] = { 27, 141, 290, 433 };
-static const uint64_t SAMPLE_MIX[8] = {
-    0x9E3779B97F4A7C15ULL, 0xC2B2AE3D27D4EB4FULL, 0x165667B19E3779F9ULL, 0x85EBCA77C2B2AE63ULL,
-    0x27D4EB2F165667C5ULL, 0xFF51AFD7ED558CCDULL, 0xC4CEB9FE1A85EC53ULL, 0xD6E8FEB86659FD93ULL };
-static const uint64_t SAMPLE_SLOT[4] = { 0x0ULL, 0x5851F42D4C957F2DULL, 0x14057B7EF767814FULL, 0x2545F4914F6CDD1DULL };
-
-void azq_sample_fingerprints(long n, const uint8_t *pages, uint64_t *out)
+void azq_sample_fingerprints(long n, const uint8_t *pages, int k_samples, const int64_t *off,
+                             const uint64_t *mix, const uint64_t *slot, uint64_t *out)
 {
     for (long i = 0; i < n; i++) {
         const uint8_t *p = pages + (size_t)i * PAGE;
-        for (int k = 0; k < 4; k++) {
+        for (int k = 0; k < k_samples; k++) {
             uint64_t w[8];
-            memcpy(w, p + SAMPLE_OFF[k] * 8, sizeof w);
+            memcpy(w, p + off[k] * 8, sizeof w);
             uint64_t h = 0;
             int same = 1;
             for (int j = 0; j < 8; j++) {
-                h += w[j] * SAMPLE_MIX[j];
+                h += w[j] * mix[j];
                 same &= w[j] == w[0];
             }
             h ^= h >> 31;
             h *= 0xBF58476D1CE4E5B9ULL;
             h ^= h >> 29;
-            h ^= SAMPLE_SLOT[k];
+            h ^= slot[k];
             h |= 1;
-            out[i * 4 + k] = same ? 0 : h;
+            out[i * k_samples + k] = same ? 0 : h;
         }
     }
 }
@@ -614,18 +610,18 @@ static long lower_bound(const uint64_t *keys, long nk, uint64_t fp)
 }
 
 /*
- * SimilarityIndex.first_hits and the exclusion of SimilarityIndex.query over nfp = 4*rows
- * fingerprints, against nk sorted keys whose sources are u32, i32 or i64 (src_bytes 4, -4, 8):
+ * SimilarityIndex.first_hits and the exclusion of SimilarityIndex.query over nfp = k*rows
+ * fingerprints (k_samples a row), against nk sorted keys whose sources are u32, i32 or i64 (src_bytes 4, -4, 8):
  * cand[j] = the source of fp j's first entry, or -1. With only_missing, only entries still
- * negative are looked up (the young part of a LayeredIndex). With exclude (one source per row
- * of 4), a candidate equal to its row's excluded source gives way to the next entry with the
+ * negative are looked up (the young part of a LayeredIndex). With exclude (one source per row),
+ * a candidate equal to its row's excluded source gives way to the next entry with the
  * same fingerprint and another source, or to -1, and ex_hit[row] tells that it happened.
  */
-void azq_sim_hits(long nfp, const uint64_t *fps, long nk, const uint64_t *keys, const void *src, int src_bytes,
-                  const int64_t *exclude, int only_missing, int64_t *cand, uint8_t *ex_hit)
+void azq_sim_hits(long nfp, int k_samples, const uint64_t *fps, long nk, const uint64_t *keys, const void *src,
+                  int src_bytes, const int64_t *exclude, int only_missing, int64_t *cand, uint8_t *ex_hit)
 {
     if (exclude)
-        memset(ex_hit, 0, (size_t)(nfp / 4));
+        memset(ex_hit, 0, (size_t)(nfp / k_samples));
     for (long j = 0; j < nfp; j++) {
         if (only_missing && cand[j] >= 0)
             continue;
@@ -641,8 +637,8 @@ void azq_sim_hits(long nfp, const uint64_t *fps, long nk, const uint64_t *keys, 
             else
                 pos = -1;
         }
-        if (exclude && c == exclude[j / 4]) {
-            ex_hit[j / 4] = 1;
+        if (exclude && c == exclude[j / k_samples]) {
+            ex_hit[j / k_samples] = 1;
             int64_t alt = -1;
             if (pos >= 0) {
                 long nxt = pos + 1 < nk ? pos + 1 : nk - 1;
@@ -655,19 +651,19 @@ void azq_sim_hits(long nfp, const uint64_t *fps, long nk, const uint64_t *keys, 
     }
 }
 
-/* simindex.best_candidates over n rows of 4 candidates: the one most valid samples name
- * (the first such on a tie), and how many do (0 and the row's first candidate if none). */
-void azq_best_candidates(long n, const int64_t *cand, int64_t *best, int64_t *votes)
+/* simindex.best_candidates over n rows of k_samples candidates: the one most valid samples
+ * name (the first such on a tie), and how many do (0 and the row's first candidate if none). */
+void azq_best_candidates(long n, int k_samples, const int64_t *cand, int64_t *best, int64_t *votes)
 {
     for (long i = 0; i < n; i++) {
-        const int64_t *c = cand + i * 4;
+        const int64_t *c = cand + i * k_samples;
         int64_t top = 0;
         int at = 0;
-        for (int k = 0; k < 4; k++) {
+        for (int k = 0; k < k_samples; k++) {
             if (c[k] < 0)
                 continue;
             int64_t v = 0;
-            for (int j = 0; j < 4; j++)
+            for (int j = 0; j < k_samples; j++)
                 v += c[j] == c[k];
             if (v > top) {
                 top = v;

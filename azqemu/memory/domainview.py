@@ -93,7 +93,7 @@ class StoreDomainView:
         return live
 
     def blob_decode_cost_us(self, blob_id: int) -> float:
-        return DECODE_COST_US[Method(int(self.table.rows["method"][blob_id]))]
+        return float(_COST_US_OF_METHOD[int(self.table.rows["method"][blob_id])])
 
     def blob_shared(self, blob_id: int) -> bool:
         """Whether anything but one old entry of the encoding sandbox holds the blob."""

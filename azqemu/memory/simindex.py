@@ -32,11 +32,11 @@ assert all(o + SAMPLE_WORDS <= WORDS_PER_PAGE for o in SAMPLE_WORD_OFFSETS)
 _MIX = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0x85EBCA77C2B2AE63,
                  0x27D4EB2F165667C5, 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53, 0xD6E8FEB86659FD93],
                 dtype=np.uint64)
-# The source dtypes the C loops read, as azq_sim_hits names them; the samples a page they
-# compute (_pagecodec.c's SAMPLE_OFF): other than N_SAMPLES, the numpy path runs.
-_SOURCE_BYTES = {np.dtype(np.uint32): 4, np.dtype(np.int32): -4, np.dtype(np.int64): 8}
-_C_SAMPLES = 4
 _SLOT = np.array([0x0, 0x5851F42D4C957F2D, 0x14057B7EF767814F, 0x2545F4914F6CDD1D], dtype=np.uint64)
+_OFFSETS = np.array(SAMPLE_WORD_OFFSETS, dtype=np.int64)      # the C loop's view of them
+assert len(_MIX) == SAMPLE_WORDS == 8 and len(_SLOT) == N_SAMPLES   # azq_sample_fingerprints mixes 8 words
+# The source dtypes the C loops read, as azq_sim_hits names them.
+_SOURCE_BYTES = {np.dtype(np.uint32): 4, np.dtype(np.int32): -4, np.dtype(np.int64): 8}
 
 
 def _native() -> Any | None:
@@ -55,8 +55,9 @@ def sample_fingerprints(pages: np.ndarray) -> np.ndarray:
         return out
     pages = np.ascontiguousarray(pages)
     lib = _native()
-    if lib is not None and N_SAMPLES == _C_SAMPLES and pages.dtype == np.uint8 and pages.size == n * PAGE_SIZE:
-        lib.azq_sample_fingerprints(n, pages.ctypes.data, out.ctypes.data)
+    if lib is not None and pages.dtype == np.uint8 and pages.size == n * PAGE_SIZE:
+        lib.azq_sample_fingerprints(n, pages.ctypes.data, N_SAMPLES, _OFFSETS.ctypes.data, _MIX.ctypes.data,
+                                    _SLOT.ctypes.data, out.ctypes.data)
         return out
     return _numpy_fingerprints(pages, out)
 
@@ -152,7 +153,7 @@ class SimilarityIndex:
 
     def _native_ok(self, fps: np.ndarray) -> bool:
         """Whether the C loops take these arrays as they are (the usual case)."""
-        return (fps.dtype == np.uint64 and fps.ndim == 2 and fps.shape[1] == _C_SAMPLES and fps.flags.c_contiguous
+        return (fps.dtype == np.uint64 and fps.ndim == 2 and fps.shape[1] == N_SAMPLES and fps.flags.c_contiguous
                 and self.keys.dtype == np.uint64 and self.keys.flags.c_contiguous
                 and self.sources.dtype in _SOURCE_BYTES and self.sources.flags.c_contiguous)
 
@@ -161,9 +162,10 @@ class SimilarityIndex:
         """First hits into ``cand`` in C (``azq_sim_hits``); with ``exclude``, sets
         ``excluded_hit``."""
         ex_hit = np.zeros(len(fps), np.uint8) if exclude is not None else None
-        lib.azq_sim_hits(fps.size, fps.ctypes.data, len(self.keys), self.keys.ctypes.data, self.sources.ctypes.data,
-                         _SOURCE_BYTES[self.sources.dtype], None if exclude is None else exclude.ctypes.data,
-                         int(only_missing), cand.ctypes.data, None if ex_hit is None else ex_hit.ctypes.data)
+        lib.azq_sim_hits(fps.size, N_SAMPLES, fps.ctypes.data, len(self.keys), self.keys.ctypes.data,
+                         self.sources.ctypes.data, _SOURCE_BYTES[self.sources.dtype],
+                         None if exclude is None else exclude.ctypes.data, int(only_missing), cand.ctypes.data,
+                         None if ex_hit is None else ex_hit.ctypes.data)
         if ex_hit is not None:
             self.excluded_hit = ex_hit.view(bool)
 
@@ -180,7 +182,7 @@ class SimilarityIndex:
 def _native_best(lib: Any, cand: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``best_candidates`` in C, for a C-contiguous (n, N_SAMPLES) int64 ``cand``."""
     best, votes = np.empty(len(cand), np.int64), np.empty(len(cand), np.int64)
-    lib.azq_best_candidates(len(cand), cand.ctypes.data, best.ctypes.data, votes.ctypes.data)
+    lib.azq_best_candidates(len(cand), N_SAMPLES, cand.ctypes.data, best.ctypes.data, votes.ctypes.data)
     return best, votes
 
 

@@ -90,7 +90,7 @@ _LIB = _load_libzstd()
 F_XOR_T, F_PREFIX_T, F_XOR_S, F_PREFIX_S, F_HAS_S, F_LZ4, F_PATCH = 1, 2, 4, 8, 16, 32, 64
 (C_ZSTD, C_XOR_T, C_PREFIX_T, C_XOR_S, C_PREFIX_S, C_LZ4, C_LZ4_XOR_T, C_LZ4_XOR_S, C_PATCH_T, C_PATCH_S,
  C_RAW) = 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 255
-NATIVE_ABI = 10
+NATIVE_ABI = 11
 # The encoder's follow-up attempts whose odds the caller sets (A_* of _pagecodec.c: plain zstd
 # after the XOR, the template prefix after the XOR or alone, the SDELTA pair), each in four
 # buckets of the best payload so far (<= 512, 1024, 2048 bytes, more).
@@ -157,11 +157,11 @@ def _load_native() -> Any | None:
         lib.azq_background_cpu_ns.restype = ctypes.c_uint64
         lib.azq_background_cpu_ns.argtypes = []
         lib.azq_sample_fingerprints.restype = None
-        lib.azq_sample_fingerprints.argtypes = [ctypes.c_long, _V, _V]
+        lib.azq_sample_fingerprints.argtypes = [ctypes.c_long, _V, _I, _V, _V, _V, _V]
         lib.azq_sim_hits.restype = None
-        lib.azq_sim_hits.argtypes = [ctypes.c_long, _V, ctypes.c_long, _V, _V, _I, _V, _I, _V, _V]
+        lib.azq_sim_hits.argtypes = [ctypes.c_long, _I, _V, ctypes.c_long, _V, _V, _I, _V, _I, _V, _V]
         lib.azq_best_candidates.restype = None
-        lib.azq_best_candidates.argtypes = [ctypes.c_long, _V, _V, _V]
+        lib.azq_best_candidates.argtypes = [ctypes.c_long, _I, _V, _V, _V]
         lib.azq_set_helpers.restype = _I
         lib.azq_set_helpers.argtypes = [_V, _V, _V, _I, _V]
         from azqemu.memory import lz4page
